@@ -1,0 +1,102 @@
+"""Any torchvision classification model by name, with optional starting weights and a frozen body."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from multi_train_utils.distributed_utils import print_main
+from multi_train_utils.errors import UserInputError
+
+
+def model_names() -> list[str]:
+    """The classification models torchvision can build (resnet34, mobilenet_v3_small, vit_b_16, ...)."""
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
+    """A freshly initialised torchvision classification model with `num_classes` outputs."""
+    if name not in model_names():
+        raise UserInputError(f"--model {name!r}: not a torchvision classification model "
+                             f"(for example resnet18, resnet34, resnet50, mobilenet_v3_small, efficientnet_b0)")
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+
+
+def classifier_of(model: nn.Module) -> nn.Module:
+    """The last layer, the one that maps features to classes (`fc` in ResNets, `classifier.N` elsewhere)."""
+    last = None
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and len(list(module.children())) == 0:
+            last = module
+    if last is None:
+        raise ValueError(f"{type(model).__name__} has no linear or convolutional layer")
+    return last
+
+
+def freeze_all_but_classifier(model: nn.Module) -> None:
+    """Train only the classifier: the usual way to fine-tune pretrained weights on a small data set."""
+    model.requires_grad_(False)
+    classifier_of(model).requires_grad_(True)
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors from a plain state dict or from one of our checkpoints; `module.` prefixes removed."""
+    try:
+        # weights_only: a .pth file is a pickle, and unpickling an untrusted one can run any code.
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise UserInputError(f"--weights {path}: not a PyTorch weights file ({err.__class__.__name__}: "
+                             f"{str(err).splitlines()[0]})") from None
+    if isinstance(content, dict) and isinstance(content.get("model"), dict):
+        content = content["model"]
+    if not isinstance(content, dict) or not all(isinstance(v, torch.Tensor) for v in content.values()):
+        raise UserInputError(f"--weights {path}: holds no state dict of tensors")
+    return {k.removeprefix("module."): v for k, v in content.items()}
+
+
+def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:
+    """torchvision's published weights, such as DEFAULT or IMAGENET1K_V1 (needs the network once)."""
+    try:
+        weights = torchvision.models.get_model_weights(model_name)[weights_name]
+    except KeyError:
+        raise UserInputError(f"--weights {weights_name}: no such file, and not a torchvision weights "
+                             f"name for {model_name} (one of DEFAULT, "
+                             f"{', '.join(torchvision.models.get_model_weights(model_name).__members__)})") from None
+    try:
+        return weights.get_state_dict(progress=False)
+    except Exception as err:
+        raise UserInputError(f"--weights {weights_name}: could not download {weights.url} ({err}); download "
+                             "it elsewhere and pass the file's path instead") from None
+
+
+def load_weights(model: nn.Module, source: str, model_name: str) -> None:
+    """Copy every tensor of `source` whose name and shape fit `model`; report what was left out.
+
+    A classifier trained for another number of classes does not fit and keeps its fresh initialisation.
+    """
+    path = Path(source)
+    state = read_state_dict(path) if path.is_file() else download_state_dict(model_name, source)
+    own = model.state_dict()
+    fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not fitting:
+        raise UserInputError(f"--weights {source}: none of its {len(state)} tensors fit {model_name}")
+    model.load_state_dict(fitting, strict=False)
+    skipped = sorted(set(state) - set(fitting))
+    missing = sorted(set(own) - set(fitting))
+    print_main(f"--weights {os.fspath(source)}: loaded {len(fitting)} of {len(own)} tensors"
+               + (f"; skipped (name or shape differs): {', '.join(skipped)}" if skipped else "")
+               + (f"; left at their initial values: {', '.join(missing)}" if missing else ""))
+
+
+def build_model(name: str, num_classes: int, weights: str = "", freeze_layers: bool = False) -> nn.Module:
+    """Create the model, load starting weights if any, and freeze all but the classifier if asked."""
+    model = create_model(name, num_classes)
+    if weights:
+        load_weights(model, weights, name)
+    if freeze_layers:
+        freeze_all_but_classifier(model)
+    return model

@@ -1,0 +1,128 @@
+"""The command line shared by the three scripts: the tutorial's flags, real booleans, checked ranges."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+from .errors import UserInputError
+
+Launcher = Literal["single", "launch", "spawn"]
+
+# Without --data-path the scripts train on the small demo data, on which these finish in minutes on a
+# laptop CPU; on your own photographs the tutorial's values apply.
+DEMO_DEFAULTS = {"epochs": 20, "batch_size": 32, "image_size": 32, "lr": 0.005}
+DATA_DEFAULTS = {"epochs": 30, "batch_size": 16, "image_size": 224, "lr": 0.001}
+
+
+def str2bool(text: str) -> bool:
+    """`--syncBN False` means False (argparse's type=bool would call any non-empty string True)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "y", "on"):
+        return True
+    if value in ("0", "false", "no", "n", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return value
+
+
+def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
+    """The flags of one script; multi-process flags only where they apply."""
+    parser = argparse.ArgumentParser(add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--data-path", default=None,
+        help="folder with one sub-folder of images per class; without it, the built-in demo data")
+    add("--num_classes", type=at_least(2), default=None, help="number of classes (default: from the data)")
+    add("--epochs", type=at_least(1), default=None,
+        help=f"epochs to train (default {DATA_DEFAULTS['epochs']}; {DEMO_DEFAULTS['epochs']} on the demo data)")
+    add("--batch-size", type=at_least(1), default=None,
+        help=f"images per batch in each process (default {DATA_DEFAULTS['batch_size']}; "
+             f"{DEMO_DEFAULTS['batch_size']} on the demo data)")
+    add("--lr", type=positive_float, default=None,
+        help=f"learning rate for one process; multiplied by the number of processes "
+             f"(default {DATA_DEFAULTS['lr']}; {DEMO_DEFAULTS['lr']} on the demo data)")
+    add("--lrf", type=positive_float, default=0.1, help="final lr as a fraction of --lr (cosine schedule)")
+    add("--warmup-epochs", type=at_least(0), default=0, help="epochs of linear lr warm-up before the cosine")
+    add("--image-size", type=at_least(16), default=None,
+        help=f"side of the square training crop in pixels (default {DATA_DEFAULTS['image_size']}; "
+             f"{DEMO_DEFAULTS['image_size']} on the demo data)")
+    add("--model", default="resnet34", help="any torchvision classification model by name")
+    add("--weights", default="",
+        help="starting weights: a .pth file, or a torchvision weights name such as DEFAULT (downloads)")
+    add("--freeze-layers", type=str2bool, nargs="?", const=True, default=False,
+        help="train only the classifier (true/false)")
+    if launcher != "single":
+        add("--syncBN", type=str2bool, nargs="?", const=True, default=False,
+            help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only; true/false)")
+    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    add("--workers", type=at_least(0), default=None, help="data-loader processes per training process "
+        "(default: a few on GPU machines, none on small CPUs)")
+    add("--seed", type=int, default=0, help="seed for the split, the initial weights and the data order")
+    add("--output-dir", default="output", help="folder for everything the run writes")
+    if launcher == "spawn":
+        add("--world-size", type=at_least(1), default=None,
+            help="number of processes to start (default: one per visible GPU, or 2 on CPU)")
+    if launcher != "single":
+        add("--dist-url", default="env://", help="how processes find each other (env:// reads MASTER_ADDR/PORT)")
+        add("--dist-timeout", type=positive_float, default=900.0,
+            help="seconds a collective may wait for the other processes before the job fails")
+    if launcher == "launch":
+        # The legacy `python -m torch.distributed.launch` (without --use_env) passes this; LOCAL_RANK
+        # in the environment says the same, and is what we read.
+        add("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the flags and fill in the defaults that depend on whether the demo data is used."""
+    args = get_args_parser(launcher).parse_args(argv)
+    defaults = DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """Run `main`; a mistake the user can fix ends with one line on stderr and exit code 2."""
+    try:
+        main(args)
+    except UserInputError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def one_line(err: BaseException) -> str:
+    """The message of `err` on one line. An error raised in a data-loader worker arrives with the
+    worker's traceback inside its message; its last line is the original message."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    last = lines[-1]
+    prefix = f"{type(err).__name__}: "
+    return last.split(prefix, 1)[-1] if prefix in last else last

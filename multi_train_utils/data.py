@@ -1,0 +1,132 @@
+"""From an image folder to data loaders that give each process its own share."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torchvision import transforms
+
+from demo_data import DEFAULT_ROOT as DEMO_ROOT
+from demo_data import ensure_demo_dataset
+from my_dataset import MyDataSet
+from utils import IMAGENET_MEAN, IMAGENET_STD, SplitData, read_split_data
+
+from .distributed_utils import DistContext, barrier, print_main
+from .errors import UserInputError
+
+
+@dataclass(frozen=True)
+class DataSets:
+    train: MyDataSet
+    val: MyDataSet
+    class_names: list[str]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+def build_transforms(image_size: int) -> tuple[transforms.Compose, transforms.Compose]:
+    """The tutorial's augmentation at 224 px, scaled to `image_size`: random crops to train, a centre crop to
+    validate (resized first to 256/224 of the crop, as at 224)."""
+    normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train = transforms.Compose([transforms.RandomResizedCrop(image_size), transforms.RandomHorizontalFlip(),
+                                transforms.ToTensor(), normalize])
+    val = transforms.Compose([transforms.Resize(round(image_size * 256 / 224)), transforms.CenterCrop(image_size),
+                              transforms.ToTensor(), normalize])
+    return train, val
+
+
+def resolve_data_path(data_path: str | None, ctx: DistContext) -> Path:
+    """`--data-path`, or the built-in demo data, written once by one process per machine."""
+    if data_path:
+        return Path(data_path)
+    if ctx.local_rank == 0:
+        print_main(f"No --data-path given: training on the built-in demo data in {DEMO_ROOT}")
+        ensure_demo_dataset(DEMO_ROOT)
+    barrier()  # the other processes on this machine wait until the files are there
+    return DEMO_ROOT
+
+
+def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_classes: int | None = None,
+                  seed: int = 0) -> DataSets:
+    """Split the image folder and wrap both halves in datasets with their transforms."""
+    root = resolve_data_path(data_path, ctx)
+    split: SplitData = read_split_data(root, seed=seed)
+    if num_classes is not None and num_classes != split.num_classes:
+        raise UserInputError(f"--num_classes {num_classes}: the data in {root} has {split.num_classes} "
+                             f"classes ({', '.join(split.class_names)})")
+    print_main(f"{root}: {split.num_classes} classes, {len(split.train_images_path)} images for training, "
+               f"{len(split.val_images_path)} for validation")
+    train_tf, val_tf = build_transforms(image_size)
+    return DataSets(MyDataSet(split.train_images_path, split.train_images_label, train_tf),
+                    MyDataSet(split.val_images_path, split.val_images_label, val_tf),
+                    split.class_names)
+
+
+class UnpaddedDistributedSampler(Sampler[int]):
+    """Deal indices round-robin (rank r gets r, r+N, r+2N, ...) without padding.
+
+    DistributedSampler pads every rank to the same length by repeating samples (11 samples on 2 ranks
+    become 12), which is right for training but would count the repeated images twice in validation.
+    Here ranks may get one sample less, so correct/total summed over ranks is exact.
+    """
+
+    def __init__(self, dataset_size: int, num_replicas: int, rank: int) -> None:
+        self.dataset_size, self.num_replicas, self.rank = dataset_size, num_replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.dataset_size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.dataset_size, self.num_replicas))
+
+
+def default_workers(ctx: DistContext) -> int:
+    """Data-loader processes per training process: enough to decode JPEGs, without starving the model.
+
+    On a CPU the training itself wants every core, so the loaders get what is left over.
+    """
+    cores = os.cpu_count() or 1
+    per_process = max(1, cores // ctx.local_world_size)
+    return min(8, per_process) if ctx.device.type == "cuda" else min(4, per_process // 4)
+
+
+def build_loaders(datasets: DataSets, batch_size: int, ctx: DistContext, workers: int | None = None,
+                  seed: int = 0) -> tuple[DataLoader, DataLoader]:
+    """Training and validation loaders for this process's share of the data."""
+    per_process = math.ceil(len(datasets.train) / ctx.world_size)
+    if per_process < batch_size:
+        raise UserInputError(f"--batch-size {batch_size}: larger than the {per_process} training images "
+                             f"each of the {ctx.world_size} process(es) gets")
+    # DistributedSampler shuffles with (seed, epoch), pads to a multiple of the world size and deals the
+    # indices round-robin, so each process trains on a different share. With one process it is just a
+    # seeded shuffle; using it there too makes the order depend only on seed and epoch.
+    train_sampler = DistributedSampler(datasets.train, num_replicas=ctx.world_size, rank=ctx.rank,
+                                       shuffle=True, seed=seed)
+    val_sampler = UnpaddedDistributedSampler(len(datasets.val), ctx.world_size, ctx.rank)
+    workers = default_workers(ctx) if workers is None else workers
+    common = dict(num_workers=workers, pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
+                  collate_fn=datasets.train.collate_fn)
+    # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
+    train_loader = DataLoader(datasets.train, batch_size=batch_size, sampler=train_sampler, drop_last=True,
+                              **common)
+    val_loader = DataLoader(datasets.val, batch_size=batch_size, sampler=val_sampler, **common)
+    print_main(f"Using {workers} data-loader workers per process")
+    return train_loader, val_loader
+
+
+def seed_everything(seed: int, rank: int = 0) -> None:
+    """Seed Python, NumPy and torch; each rank gets its own stream so augmentations differ across ranks."""
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+

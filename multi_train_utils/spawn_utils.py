@@ -1,0 +1,76 @@
+"""What the spawn script needs to start its own processes: how many, on which port, and how to fail."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from .cli import one_line
+from .distributed_utils import find_free_port, resolve_device
+from .errors import UserInputError
+
+PORT_ATTEMPTS = 3
+Worker = Callable[[int, int, argparse.Namespace], None]
+
+
+def processes_to_start(world_size: int | None, device: str | None) -> int:
+    """--world-size, checked against the GPUs; by default one process per GPU, or 2 on a CPU."""
+    on_cuda = resolve_device(device, 0, distributed=False).type == "cuda"
+    gpus = torch.cuda.device_count() if on_cuda else 0
+    if world_size is None:
+        return gpus if on_cuda else 2
+    if on_cuda and world_size > gpus:
+        raise UserInputError(f"--world-size {world_size}: only {gpus} GPU(s) visible (one process per GPU)")
+    return world_size
+
+
+def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namespace) -> None:
+    """The entry point of every spawned process: a mistake the user can fix ends it with one line."""
+    try:
+        worker(rank, world_size, args)
+    except UserInputError as err:
+        print(f"error (rank {rank}): {one_line(err)}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def port_was_taken(err: BaseException) -> bool:
+    return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
+
+
+def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> None:
+    """Start `world_size` processes running worker(rank, world_size, args) and wait for all of them.
+
+    The processes meet on MASTER_ADDR:MASTER_PORT. Unless those are set, that is a free port on
+    127.0.0.1, so two jobs on one machine do not collide; if another program takes the port between
+    our choosing and our using it, we try again with another. When one process fails, mp.spawn ends
+    the others, and we exit non-zero.
+    """
+    port_is_ours = "MASTER_PORT" not in os.environ
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        if port_is_ours:
+            os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
+        try:
+            mp.spawn(run_worker, args=(worker, world_size, args), nprocs=world_size, join=True)
+            return
+        except mp.ProcessRaisedException as err:
+            if not (port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS):
+                raise
+            print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
+        except mp.ProcessExitedException as err:
+            exit_on_lost_process(err)
+
+
+def exit_on_lost_process(err: mp.ProcessExitedException) -> None:
+    """A process ended without a Python exception: it printed its own error, or a signal killed it."""
+    if err.exit_code is not None and err.exit_code < 0:
+        print(f"error: process {err.error_index} was killed by {signal.Signals(-err.exit_code).name}; "
+              "the others were stopped", file=sys.stderr, flush=True)
+        sys.exit(1)
+    sys.exit(err.exit_code or 1)

@@ -1,0 +1,170 @@
+"""Reading image folders: the split, the mess real folders hold, every image mode, clear errors."""
+
+from __future__ import annotations
+
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import demo_data
+from conftest import make_image_folder, write_image
+from multi_train_utils.errors import UserInputError
+from my_dataset import MyDataSet, UnreadableImageError, collate_fn, load_rgb
+from utils import plot_data_loader_image, read_split_data
+
+
+def test_split_is_deterministic_per_seed_and_leaves_global_random_alone(image_folder: Path) -> None:
+    random.seed(123)
+    expected_next = random.random()
+    random.seed(123)
+    first = read_split_data(image_folder, seed=0)
+    assert random.random() == expected_next
+    assert read_split_data(image_folder, seed=0) == first
+    assert read_split_data(image_folder, seed=1).val_images_path != first.val_images_path
+    assert first.class_names == ["blue", "green", "red"]
+    assert len(first.train_images_path) == 24 and len(first.val_images_path) == 6
+    assert not set(first.train_images_path) & set(first.val_images_path)
+    for paths, labels in ((first.train_images_path, first.train_images_label),
+                          (first.val_images_path, first.val_images_label)):
+        assert all(Path(p).parent.name == first.class_names[label] for p, label in zip(paths, labels, strict=True))
+
+
+def test_every_class_gives_validation_at_least_one_image(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path, {"a": 2, "b": 3, "c": 20})
+    split = read_split_data(root, val_rate=0.2)
+    assert sorted(split.val_images_label) == [0, 1, 2, 2, 2, 2]
+
+
+def test_messy_folder_reads_every_image_and_nothing_else(tmp_path: Path) -> None:
+    root = tmp_path / "messy"
+    names = ["a.jpg", "b.JPG", "c.jpeg", "d.JPEG", "e.png", "f.PNG", "g.bmp", "h.webp", "i.tif", "j.gif"]
+    for name in names:
+        write_image(root / "cats" / name, (200, 100, 50))
+    write_image(root / "cats" / "nested" / "k.jpg", (200, 100, 50))
+    write_image(root / "dogs" / "gray.jpg", (90, 90, 90), mode="L")
+    write_image(root / "dogs" / "pal.png", (10, 90, 200), mode="P")
+    (root / "cats" / "notes.txt").write_text("not an image")
+    (root / "cats" / "._a.jpg").write_bytes(b"macOS resource fork")
+    (root / "cats" / "Thumbs.db").write_bytes(b"\0\1")
+    (root / "LICENSE.txt").write_text("CC-BY")
+    write_image(root / "top_level.jpg", (0, 0, 0))
+    (root / ".ipynb_checkpoints").mkdir()
+    split = read_split_data(root)
+    assert split.class_names == ["cats", "dogs"]
+    everything = sorted(Path(p).name for p in split.train_images_path + split.val_images_path)
+    assert everything == sorted([*names, "k.jpg", "gray.jpg", "pal.png"])
+    dataset = MyDataSet(split.train_images_path + split.val_images_path,
+                        split.train_images_label + split.val_images_label)
+    assert all(dataset[i][0].mode == "RGB" for i in range(len(dataset)))
+
+
+@pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "P+transparency", "RGB", "RGBA", "CMYK", "I", "I;16", "F",
+                                  "YCbCr"])
+def test_every_image_mode_becomes_rgb(tmp_path: Path, mode: str) -> None:
+    base = Image.fromarray(np.arange(24 * 24 * 3, dtype=np.uint8).reshape(24, 24, 3), "RGB")
+    suffix = {"CMYK": "jpg", "YCbCr": "jpg", "I": "tif", "F": "tif"}.get(mode, "png")
+    path = tmp_path / f"img.{suffix}"
+    if mode == "P+transparency":
+        base.convert("P").save(path, transparency=0)
+    else:
+        base.convert(mode).save(path)
+    rgb = load_rgb(str(path))
+    assert rgb.mode == "RGB" and rgb.size == (24, 24)
+    assert np.asarray(rgb).std() > 0  # not blank: 16-bit and float images are rescaled, not clipped
+
+
+def test_transparent_pixels_become_white(tmp_path: Path) -> None:
+    path = tmp_path / "clear.png"
+    Image.new("RGBA", (8, 8), (0, 0, 0, 0)).save(path)
+    assert load_rgb(str(path)).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_exif_orientation_is_applied(tmp_path: Path) -> None:
+    path = tmp_path / "rotated.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    Image.new("RGB", (40, 20), (120, 30, 30)).save(path, exif=exif)
+    assert load_rgb(str(path)).size == (20, 40)
+
+
+@pytest.mark.parametrize("content", [b"", b"this is text, not a JPEG", b"\xff\xd8\xff\xe0 truncated"])
+def test_unreadable_image_is_named_in_the_error(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "broken.jpg"
+    path.write_bytes(content)
+    with pytest.raises(UnreadableImageError, match=r"broken\.jpg"):
+        MyDataSet([str(path)], [0])[0]
+
+
+def test_truncated_jpeg_is_named_in_the_error(tmp_path: Path) -> None:
+    good = write_image(tmp_path / "whole.jpg", (10, 200, 10), size=64)
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    with pytest.raises(UnreadableImageError, match=r"cut\.jpg"):
+        load_rgb(str(cut))
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ("missing", "no such folder"),
+    ("file", "not a folder"),
+    ("no_classes", "no class sub-folders"),
+    ("empty_class", "holds no images"),
+    ("one_image", "at least 2 images"),
+])
+def test_bad_layouts_raise_a_clear_error(tmp_path: Path, layout: str, message: str) -> None:
+    root = tmp_path / "data"
+    if layout == "file":
+        root.write_text("not a folder")
+    elif layout == "no_classes":
+        write_image(root / "loose.jpg", (1, 2, 3))
+    elif layout == "empty_class":
+        make_image_folder(root, {"a": 3})
+        (root / "b").mkdir()
+        (root / "b" / "readme.txt").write_text("no images here")
+    elif layout == "one_image":
+        make_image_folder(root, {"a": 3, "b": 1})
+    with pytest.raises(UserInputError, match=message) as caught:
+        read_split_data(root)
+    assert str(root) in str(caught.value)
+
+
+def test_collate_fn_stacks_and_pickles_by_name() -> None:
+    batch = [(torch.zeros(3, 4, 4), 1), (torch.ones(3, 4, 4), 2)]
+    images, labels = collate_fn(batch)
+    assert images.shape == (2, 3, 4, 4) and labels.tolist() == [1, 2]
+    assert pickle.loads(pickle.dumps(MyDataSet.collate_fn)) is collate_fn
+
+
+def test_plot_data_loader_image_saves_a_png(image_folder: Path, tmp_path: Path) -> None:
+    from multi_train_utils.data import build_transforms
+
+    split = read_split_data(image_folder)
+    dataset = MyDataSet(split.train_images_path, split.train_images_label, build_transforms(16)[1])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=collate_fn)
+    written = plot_data_loader_image(loader, tmp_path / "out" / "batch.png", split.class_names)
+    with Image.open(written) as img:
+        assert img.format == "PNG" and img.size == (4 * 128, 2 * (128 + 14))
+        # Un-normalised: the red class's tiles are red again, not the normalised values clipped to black.
+        assert max(img.getpixel((64, 64))) > 100
+
+
+def test_demo_data_is_written_once_and_deterministically(tmp_path: Path) -> None:
+    first, second = tmp_path / "one", tmp_path / "two"
+    demo_data.write_demo_dataset(first, images_per_class=3)
+    demo_data.write_demo_dataset(second, images_per_class=3)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert len(files) == 3 * len(demo_data.CLASSES)
+    assert all((first / f).read_bytes() == (second / f).read_bytes() for f in files)
+    target = tmp_path / "demo"
+    assert demo_data.ensure_demo_dataset(target) == target
+    before = (target / "rings" / "rings_0000.jpg").stat().st_mtime_ns
+    demo_data.ensure_demo_dataset(target)
+    assert (target / "rings" / "rings_0000.jpg").stat().st_mtime_ns == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no scratch left behind
+    split = read_split_data(target)
+    assert split.class_names == list(demo_data.CLASSES)
+    assert {Path(p).suffix for p in split.train_images_path + split.val_images_path} == {".jpg", ".png"}

@@ -1,0 +1,83 @@
+"""Building models by name, loading weights that only partly fit, and freezing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from model import build_model, classifier_of, create_model, load_weights
+from multi_train_utils.errors import UserInputError
+
+
+@pytest.mark.parametrize(("name", "classifier"), [("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"),
+                                                  ("squeezenet1_1", "classifier.1")])
+def test_any_torchvision_model_by_name(name: str, classifier: str) -> None:
+    model = create_model(name, num_classes=7)
+    assert dict(model.named_modules())[classifier] is classifier_of(model)
+    with torch.no_grad():
+        assert model.eval()(torch.zeros(1, 3, 64, 64)).shape == (1, 7)
+
+
+def test_unknown_model_is_a_clear_error() -> None:
+    with pytest.raises(UserInputError, match="--model 'resnet35'"):
+        create_model("resnet35", 3)
+
+
+def test_weights_with_another_classifier_load_all_but_the_classifier(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    imagenet_like = create_model("resnet18", num_classes=1000)
+    path = tmp_path / "resnet18-imagenet.pth"
+    torch.save(imagenet_like.state_dict(), path)
+    model = create_model("resnet18", num_classes=3)
+    fresh_fc = model.fc.weight.clone()
+    load_weights(model, str(path), "resnet18")
+    assert torch.equal(model.conv1.weight, imagenet_like.conv1.weight)
+    assert torch.equal(model.layer4[1].bn2.running_var, imagenet_like.layer4[1].bn2.running_var)
+    assert torch.equal(model.fc.weight, fresh_fc)
+    report = capsys.readouterr().out
+    assert "skipped (name or shape differs): fc.bias, fc.weight" in report
+    assert f"loaded {len(model.state_dict()) - 2} of {len(model.state_dict())}" in report
+
+
+def test_weights_saved_from_ddp_or_in_a_checkpoint_load(tmp_path: Path) -> None:
+    source = create_model("resnet18", num_classes=3)
+    prefixed = {f"module.{k}": v for k, v in source.state_dict().items()}
+    torch.save({"model": prefixed, "epoch": 4}, tmp_path / "checkpoint.pth")
+    model = create_model("resnet18", num_classes=3)
+    load_weights(model, str(tmp_path / "checkpoint.pth"), "resnet18")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values(),
+                                                 strict=True))
+
+
+def test_pickled_code_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "evil.pth"
+    torch.save({"model": nn.Linear(2, 2)}, path)  # a whole module: loading it means running pickled code
+    with pytest.raises(UserInputError, match="not a PyTorch weights file"):
+        load_weights(create_model("resnet18", 3), str(path), "resnet18")
+
+
+@pytest.mark.parametrize(("content", "message"), [(b"plain text", "not a PyTorch weights file"),
+                                                  (None, "none of its 1 tensors fit")])
+def test_bad_weights_file_is_a_clear_error(tmp_path: Path, content: bytes | None, message: str) -> None:
+    path = tmp_path / "weights.pth"
+    if content is None:
+        torch.save({"something.else": torch.zeros(2)}, path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(UserInputError, match=message):
+        load_weights(create_model("resnet18", 3), str(path), "resnet18")
+
+
+def test_unknown_weights_name_lists_the_choices() -> None:
+    with pytest.raises(UserInputError, match="IMAGENET1K_V1"):
+        load_weights(create_model("resnet34", 3), "no_such_file.pth", "resnet34")
+
+
+def test_freeze_layers_trains_only_the_classifier() -> None:
+    model = build_model("resnet18", num_classes=4, freeze_layers=True)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"fc.weight", "fc.bias"}
+    assert {n for n, p in build_model("resnet18", 4).named_parameters() if not p.requires_grad} == set()

@@ -1,0 +1,48 @@
+"""Train with DistributedDataParallel, one process per GPU (or several on a CPU), started by a launcher.
+
+    torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --data-path flower_photos
+    python -m torch.distributed.launch --nproc_per_node=2 --use_env train_multi_gpu_using_launch.py
+    srun --ntasks=8 --gpus-per-task=1 python train_multi_gpu_using_launch.py     # SLURM
+    python train_multi_gpu_using_launch.py                                       # one process
+
+The launcher starts the processes and tells each its rank through RANK, WORLD_SIZE and LOCAL_RANK.
+"""
+
+import argparse
+
+from model import build_model
+from multi_train_utils.cli import parse_args, run_cli
+from multi_train_utils.data import build_loaders, load_datasets, seed_everything
+from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, print_main, wrap_ddp
+from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.train_eval_utils import build_optimizer, fit
+
+
+def main(args: argparse.Namespace) -> None:
+    ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout)
+    try:
+        train(args, ctx)
+    finally:
+        cleanup()
+
+
+def train(args: argparse.Namespace, ctx: DistContext) -> None:
+    print_main(f"Training in {ctx.world_size} process(es) on {ctx.device.type}")
+    # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
+    seed_everything(args.seed, ctx.rank)
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
+    # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
+    train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers).to(ctx.device)
+    model = wrap_ddp(model, ctx, args.syncBN)
+    # One step now learns from world_size x --batch-size images, so it may take a proportionally larger
+    # step (the linear scaling rule, Goyal et al. 2017).
+    lr = args.lr * ctx.world_size
+    print_main(f"lr {args.lr} x {ctx.world_size} process(es) = {lr:g}")
+    optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs)
+    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args)) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device)
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args("launch"))

@@ -1,0 +1,51 @@
+"""Train with DistributedDataParallel, one process per GPU (or several on a CPU), started by this script.
+
+    python train_multi_gpu_using_spawn.py --world-size 2 --data-path flower_photos
+
+This script starts the processes itself (torch.multiprocessing.spawn) and hands each its rank.
+"""
+
+import argparse
+
+from model import build_model
+from multi_train_utils.cli import parse_args, run_cli
+from multi_train_utils.data import build_loaders, load_datasets, seed_everything
+from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, print_main, wrap_ddp
+from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.spawn_utils import processes_to_start, spawn_workers
+from multi_train_utils.train_eval_utils import build_optimizer, fit
+
+
+def main(args: argparse.Namespace) -> None:
+    world_size = processes_to_start(args.world_size, args.device)
+    spawn_workers(worker, world_size, args)  # runs worker(rank, world_size, args) in each new process
+
+
+def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
+    try:
+        train(args, ctx)
+    finally:
+        cleanup()
+
+
+def train(args: argparse.Namespace, ctx: DistContext) -> None:
+    print_main(f"Training in {ctx.world_size} process(es) on {ctx.device.type}")
+    # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
+    seed_everything(args.seed, ctx.rank)
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
+    # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
+    train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers).to(ctx.device)
+    model = wrap_ddp(model, ctx, args.syncBN)
+    # One step now learns from world_size x --batch-size images, so it may take a proportionally larger
+    # step (the linear scaling rule, Goyal et al. 2017).
+    lr = args.lr * ctx.world_size
+    print_main(f"lr {args.lr} x {ctx.world_size} process(es) = {lr:g}")
+    optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs)
+    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args)) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device)
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args("spawn"))

@@ -1,0 +1,32 @@
+"""Train an image classifier in one process, on one GPU or on the CPU.
+
+    python train_single_gpu.py                                  # the built-in demo data
+    python train_single_gpu.py --data-path flower_photos --weights resnet34-333f7ec4.pth
+
+The two multi-process scripts are this recipe plus what DDP adds; diff them against this one.
+"""
+
+import argparse
+
+from model import build_model
+from multi_train_utils.cli import parse_args, run_cli
+from multi_train_utils.data import build_loaders, load_datasets, seed_everything
+from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.train_eval_utils import build_optimizer, fit
+
+
+def main(args: argparse.Namespace) -> None:
+    ctx = single_process(args.device)
+    print(f"Training in one process on {ctx.device}")
+    seed_everything(args.seed)
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
+    train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers).to(ctx.device)
+    optimizer, scheduler = build_optimizer(model, args.lr, args.epochs, args.lrf, args.warmup_epochs)
+    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args)) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device)
+
+
+if __name__ == "__main__":
+    run_cli(main, parse_args("single"))
