@@ -54,7 +54,7 @@ def pattern_mask(kind: str, rng: random.Random) -> np.ndarray:
 def class_color(kind: str, rng: random.Random) -> tuple[int, int, int]:
     """A foreground colour whose hue leans towards the class's own, as sunflowers lean to yellow:
     colour helps to tell the classes apart, but the hues overlap, so the pattern matters too."""
-    hue = (CLASSES.index(kind) / len(CLASSES) + rng.gauss(0.0, 0.07)) % 1.0
+    hue = (CLASSES.index(kind) / len(CLASSES) + rng.gauss(0.0, 0.035)) % 1.0
     red, green, blue = colorsys.hsv_to_rgb(hue, rng.uniform(0.5, 1.0), rng.uniform(0.6, 1.0))
     return round(red * 255), round(green * 255), round(blue * 255)
 
@@ -78,7 +78,7 @@ def write_demo_dataset(root: Path, images_per_class: int = IMAGES_PER_CLASS, see
         for i in range(images_per_class):
             img = make_image(kind, rng)
             # A mix of what real folders hold: mostly JPEG, some PNG, some grayscale.
-            if i % 7 == 3:
+            if i % 20 == 3:
                 img = img.convert("L")
             if i % 5 == 1:
                 img.save(root / kind / f"{kind}_{i:04d}.png")

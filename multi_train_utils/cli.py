@@ -13,7 +13,7 @@ Launcher = Literal["single", "launch", "spawn"]
 
 # Without --data-path the scripts train on the small demo data, on which these finish in minutes on a
 # laptop CPU; on your own photographs the tutorial's values apply.
-DEMO_DEFAULTS = {"epochs": 20, "batch_size": 32, "image_size": 32, "lr": 0.005}
+DEMO_DEFAULTS = {"epochs": 16, "batch_size": 32, "image_size": 32, "lr": 0.002}
 DATA_DEFAULTS = {"epochs": 30, "batch_size": 16, "image_size": 224, "lr": 0.001}
 
 

@@ -81,3 +81,26 @@ def test_freeze_layers_trains_only_the_classifier() -> None:
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     assert trainable == {"fc.weight", "fc.bias"}
     assert {n for n, p in build_model("resnet18", 4).named_parameters() if not p.requires_grad} == set()
+
+
+def test_a_weights_name_without_network_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import urllib.error
+
+    import torchvision.models._api
+
+    def no_network(url: str, *args: object, **kwargs: object) -> None:
+        raise urllib.error.URLError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", no_network)
+    with pytest.raises(UserInputError, match=r"--weights DEFAULT: could not download https://.*resnet18"):
+        load_weights(create_model("resnet18", 3), "DEFAULT", "resnet18")
+
+
+def test_a_weights_name_loads_torchvisions_published_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    published = create_model("resnet18", num_classes=1000).state_dict()
+    import torchvision.models._api
+
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", lambda url, **kw: published)
+    model = create_model("resnet18", 3)
+    load_weights(model, "IMAGENET1K_V1", "resnet18")
+    assert torch.equal(model.conv1.weight, published["conv1.weight"])

@@ -1,0 +1,54 @@
+"""Checks that need CUDA GPUs (NCCL, SyncBatchNorm); each skips itself where there are too few."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ddp_workers
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import REPO, free_port, make_image_folder, python, run, torchrun
+from multi_train_utils.distributed_utils import single_process
+
+pytestmark = pytest.mark.gpu
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GPU_FLAGS = ["--model", "resnet18", "--image-size", "32", "--batch-size", "4", "--epochs", "1", "--device", "cuda"]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_with_syncbn_equal_one_gpu_with_the_whole_batch(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    batch, samples = 4, 32
+    mp.spawn(ddp_workers.equal_weights_worker, args=(2, batch, samples, str(tmp_path), "cuda", True), nprocs=2)
+    rank0 = torch.load(tmp_path / "rank0.pth", weights_only=True)
+    # One GPU with plain BatchNorm over the whole batch is what SyncBatchNorm over two halves reproduces.
+    single = ddp_workers.train_fixed_order(single_process("cuda"), 2 * batch, samples, sync_bn=True).state_dict()
+    for name, weight in single.items():
+        assert torch.allclose(rank0[name], weight.cpu(), atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_torchrun_on_nccl(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
+    nproc = min(GPUS, 2)
+    result = run([*torchrun(), "--standalone", f"--nproc_per_node={nproc}",
+                  str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data),
+                  "--output-dir", str(tmp_path / "out"), *GPU_FLAGS, "--syncBN", "True"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "nccl" in result.stdout
+    metrics = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["world_size"] == nproc and metrics["val_total"] == 6
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_single_gpu_run(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
+    result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(data),
+                  "--output-dir", str(tmp_path / "out"), *GPU_FLAGS])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on cuda:0" in result.stdout

@@ -1,0 +1,120 @@
+"""Every way to start training, run for real with several processes on 127.0.0.1 (gloo on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, script_env, torchrun
+
+pytestmark = pytest.mark.slow
+LAUNCH = str(REPO / "train_multi_gpu_using_launch.py")
+SPAWN = str(REPO / "train_multi_gpu_using_spawn.py")
+SINGLE = str(REPO / "train_single_gpu.py")
+VAL_IMAGES = 7  # an odd count: 2 processes cannot split it evenly
+
+
+@pytest.fixture(scope="module")
+def odd_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # 10 + 10 + 15 images: 2 + 2 + 3 of them for validation.
+    return make_image_folder(tmp_path_factory.mktemp("odd") / "images", {"a": 10, "b": 10, "c": 15})
+
+
+def flags(data: Path, out: Path) -> list[str]:
+    return ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS]
+
+
+def finished(result: subprocess.CompletedProcess, out: Path, world_size: int) -> list[dict]:
+    """Assert that the run ended well and wrote one epoch of metrics for `world_size` processes."""
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in metrics] == [0]
+    assert metrics[0]["world_size"] == world_size
+    assert metrics[0]["val_total"] == VAL_IMAGES
+    assert (out / "weights" / "model-0.pth").is_file()
+    return metrics
+
+
+def test_plain_python_runs_the_launch_script_as_one_process(odd_folder: Path, tmp_path: Path) -> None:
+    finished(run([python(), LAUNCH, *flags(odd_folder, tmp_path)]), tmp_path, world_size=1)
+
+
+def test_torchrun_two_processes(odd_folder: Path, tmp_path: Path) -> None:
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", LAUNCH, *flags(odd_folder, tmp_path)]
+    result = run(cmd)
+    finished(result, tmp_path, world_size=2)
+    assert result.stdout.count("[epoch 0] train_loss") == 1, "only rank 0 reports"
+    assert "lr 0.01 x 2 process(es) = 0.02" in result.stdout
+
+
+def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [python(), "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={port}",
+           LAUNCH, *flags(odd_folder, tmp_path)]
+    finished(run(cmd), tmp_path, world_size=2)
+
+
+def test_spawn_two_processes(odd_folder: Path, tmp_path: Path) -> None:
+    result = run([python(), SPAWN, "--world-size", "2", *flags(odd_folder, tmp_path)])
+    finished(result, tmp_path, world_size=2)
+    assert "(spawn, gloo): rank 1/2" in result.stdout
+
+
+def test_two_torchrun_agents_as_two_nodes(odd_folder: Path, tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [subprocess.Popen([*torchrun(), "--nnodes=2", f"--node-rank={node}", "--nproc_per_node=1",
+                               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
+                               LAUNCH, *flags(odd_folder, tmp_path)],
+                              cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True) for node in (0, 1)]
+    outputs = [node.communicate(timeout=180)[0] for node in nodes]
+    for node, output in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, output[-3000:]
+    finished(subprocess.CompletedProcess([], 0, outputs[0], ""), tmp_path, world_size=2)
+
+
+def test_srun_variables(odd_folder: Path, tmp_path: Path) -> None:
+    """Two processes started as srun would start them: ranks from SLURM_*, the master from the node list."""
+    job_env = {"SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "7",
+               "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([python(), LAUNCH, *flags(odd_folder, tmp_path)], cwd=REPO,
+                              env=script_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), **job_env),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=180)[0] for rank in ranks]
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, output[-3000:]
+    assert "(slurm, gloo): rank 1/2" in outputs[1]
+    finished(subprocess.CompletedProcess([], 0, outputs[0], ""), tmp_path, world_size=2)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_failing_rank_ends_the_whole_job(odd_folder: Path, tmp_path: Path, launcher: str) -> None:
+    env = script_env(FAIL_RANK="1", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
+    cmd = ([*torchrun(), "--standalone", "--nproc_per_node=2", LAUNCH] if launcher == "torchrun"
+           else [python(), SPAWN, "--world-size", "2"])
+    started = time.monotonic()
+    result = run([*cmd, *flags(odd_folder, tmp_path)], timeout=60, env=env)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "failure injected on rank 1" in result.stdout + result.stderr
+    assert elapsed < 30, f"took {elapsed:.0f} s to notice"
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
+
+
+def test_two_spawn_jobs_at_once_both_finish(odd_folder: Path, tmp_path: Path) -> None:
+    outs = [tmp_path / "first", tmp_path / "second"]
+    jobs = [subprocess.Popen([python(), SPAWN, "--world-size", "2", *flags(odd_folder, out)], cwd=REPO,
+                             env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True) for out in outs]
+    outputs = [job.communicate(timeout=240)[0] for job in jobs]
+    for job, output, out in zip(jobs, outputs, outs, strict=True):
+        finished(subprocess.CompletedProcess([], job.returncode, output, ""), out, world_size=2)
+
+
+def test_same_validation_count_as_one_process(odd_folder: Path, tmp_path: Path) -> None:
+    finished(run([python(), SINGLE, *flags(odd_folder, tmp_path)]), tmp_path, world_size=1)

@@ -1,0 +1,60 @@
+"""The spawn script's own process management: how many processes, which port, what a failure does."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Iterator
+
+import ddp_workers
+import pytest
+import torch
+
+from conftest import free_port
+from multi_train_utils import spawn_utils
+from multi_train_utils.errors import UserInputError
+
+
+@pytest.fixture
+def no_preset_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
+def test_world_size_defaults_to_two_on_a_cpu() -> None:
+    assert spawn_utils.processes_to_start(None, "auto") == 2
+    assert spawn_utils.processes_to_start(5, "cpu") == 5
+
+
+def test_more_processes_than_gpus_is_a_clear_error() -> None:
+    if not torch.cuda.is_available():
+        with pytest.raises(UserInputError, match="no CUDA GPU is visible"):
+            spawn_utils.processes_to_start(2, "cuda")
+        return
+    gpus = torch.cuda.device_count()
+    with pytest.raises(UserInputError, match=f"--world-size {gpus + 1}: only {gpus} GPU"):
+        spawn_utils.processes_to_start(gpus + 1, "cuda")
+
+
+@pytest.mark.slow
+def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
+                                           capsys: pytest.CaptureFixture) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        ports: Iterator[int] = iter([squatter.getsockname()[1], free_port()])
+        monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: next(ports))
+        spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
+    assert "was taken meanwhile; trying another" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_preset_master_port_is_used_and_not_replaced(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
+                                                        ) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        monkeypatch.setenv("MASTER_PORT", str(squatter.getsockname()[1]))
+        with pytest.raises(torch.multiprocessing.ProcessRaisedException, match=r"EADDRINUSE|address already in use"):
+            spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())

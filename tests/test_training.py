@@ -1,0 +1,75 @@
+"""A whole single-process run on small image files: it learns, and writes everything it should."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import multi_train_utils.data
+import train_single_gpu
+from conftest import REPO, TINY_FLAGS, python, run
+from model import create_model
+from multi_train_utils.cli import parse_args
+
+METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_acc", "val_correct", "val_total", "lr", "images_per_s",
+               "epoch_time_s", "world_size"}
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_short_run_learns_and_writes_every_output(image_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = parse_args("single", ["--data-path", str(image_folder), "--output-dir", str(out), *TINY_FLAGS,
+                                 "--epochs", "4", "--lr", "0.02"])
+    train_single_gpu.main(args)
+    metrics = read_metrics(out)
+    assert [m["epoch"] for m in metrics] == [0, 1, 2, 3]
+    assert all(set(m) == METRIC_KEYS for m in metrics)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    assert metrics[-1]["val_total"] == 6 and metrics[-1]["world_size"] == 1
+    assert metrics[-1]["val_acc"] == metrics[-1]["val_correct"] / 6
+    assert metrics[0]["lr"] == 0.02 and metrics[1]["lr"] < 0.02, "the lr used in each epoch, not the next one's"
+    assert json.loads((out / "class_indices.json").read_text()) == {"0": "blue", "1": "green", "2": "red"}
+    state = torch.load(out / "weights" / "model-3.pth", weights_only=True)
+    assert not any(k.startswith("module.") for k in state)
+    create_model("resnet18", 3).load_state_dict(state)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_demo_data_is_written_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(multi_train_utils.data, "DEMO_ROOT", tmp_path / "demo")
+    out = tmp_path / "run"
+    train_single_gpu.main(parse_args("single", ["--output-dir", str(out), *TINY_FLAGS, "--batch-size", "32"]))
+    assert "built-in demo data" in capsys.readouterr().out
+    assert read_metrics(out)[0]["val_total"] > 0
+    assert sorted(p.name for p in (tmp_path / "demo").iterdir()) == ["checks", "dots", "grid", "rings", "stripes"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--num_classes", "5"], "--num_classes 5: the data in"),
+    (["--batch-size", "64"], "--batch-size 64: larger than the 24 training images"),
+    (["--model", "resnet35"], "--model 'resnet35'"),
+])
+def test_bad_input_is_one_line_naming_the_flag(image_folder: Path, tmp_path: Path, extra: list[str],
+                                               message: str) -> None:
+    result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(image_folder),
+                  "--output-dir", str(tmp_path / "run"), *TINY_FLAGS, *extra], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"error: {message}"), result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists(), "nothing is written before the input is known to be good"
+
+
+def test_scripts_run_from_any_working_directory(image_folder: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(image_folder),
+                  "--output-dir", "relative_out", *TINY_FLAGS], cwd=elsewhere, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert read_metrics(elsewhere / "relative_out")[0]["epoch"] == 0
