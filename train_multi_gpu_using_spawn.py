@@ -8,6 +8,7 @@ This script starts the processes itself (torch.multiprocessing.spawn) and hands 
 import argparse
 
 from model import build_model
+from multi_train_utils.checkpoint import resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, print_main, wrap_ddp
@@ -43,8 +44,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     lr = args.lr * ctx.world_size
     print_main(f"lr {args.lr} x {ctx.world_size} process(es) = {lr:g}")
     optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs)
-    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args)) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device)
+    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler)
+    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
+            start_epoch, best_acc)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ The two multi-process scripts are this recipe plus what DDP adds; diff them agai
 import argparse
 
 from model import build_model
+from multi_train_utils.checkpoint import resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import single_process
@@ -24,8 +25,10 @@ def main(args: argparse.Namespace) -> None:
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers).to(ctx.device)
     optimizer, scheduler = build_optimizer(model, args.lr, args.epochs, args.lrf, args.warmup_epochs)
-    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args)) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device)
+    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler)
+    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
+            start_epoch, best_acc)
 
 
 if __name__ == "__main__":

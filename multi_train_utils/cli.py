@@ -84,6 +84,8 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
         "(default: a few on GPU machines, none on small CPUs)")
     add("--seed", type=int, default=0, help="seed for the split, the initial weights and the data order")
     add("--output-dir", default="output", help="folder for everything the run writes")
+    add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
+        "is one (an attempt that torchrun restarted does this by itself)")
     if launcher == "spawn":
         add("--world-size", type=at_least(1), default=None,
             help="number of processes to start (default: one per visible GPU, or 2 on CPU)")

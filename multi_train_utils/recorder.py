@@ -6,31 +6,26 @@ import json
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
-import torch
 from torch import nn
 
+from .checkpoint import CHECKPOINT_NAME, save_atomic
 from .distributed_utils import DistContext, unwrap_model
 from .errors import UserInputError
 
 
-def save_atomic(obj: object, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file."""
-    scratch = path.with_name(f".{path.name}.partial")
-    torch.save(obj, scratch)
-    os.replace(scratch, path)
-
-
 class RunRecorder:
-    """Writes class_indices.json, metrics.jsonl, TensorBoard events and weights/model-{epoch}.pth.
+    """Writes class_indices.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
+    weights/best.pth and the checkpoint that --resume continues from.
 
     On ranks other than 0 every method does nothing, so the training loop never checks the rank.
     """
 
     def __init__(self, output_dir: str | os.PathLike, ctx: DistContext, class_names: list[str],
-                 args: dict[str, Any] | None = None) -> None:
+                 args: dict[str, Any], start_epoch: int = 0) -> None:
         self.enabled = ctx.is_main
+        self.args = args
         self.output_dir = Path(output_dir)
         self.weights_dir = self.output_dir / "weights"
         if not self.enabled:
@@ -39,18 +34,30 @@ class RunRecorder:
             self.weights_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "class_indices.json").write_text(
                 json.dumps(dict(enumerate(class_names)), indent=4) + "\n")
-            self.metrics_file = open(self.output_dir / "metrics.jsonl", "w")  # noqa: SIM115 - closed in close()
+            self.metrics_file = self.open_metrics(start_epoch)
         except OSError as err:
             raise UserInputError(f"--output-dir {self.output_dir}: cannot write there ({err.strerror})") from None
         from torch.utils.tensorboard import SummaryWriter  # slow to import; only rank 0 needs it
 
-        self.tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
-        if args is not None:
-            self.tensorboard.add_text("args", "\n".join(f"    {k}: {v}" for k, v in sorted(args.items())))
+        # purge_step: a resumed run drops what the stopped one logged after its last checkpoint.
+        self.tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"),
+                                         purge_step=start_epoch or None)
+        self.tensorboard.add_text("args", "\n".join(f"    {k}: {v}" for k, v in sorted(args.items())))
         print(f"Writing to {self.output_dir} (TensorBoard: tensorboard --logdir {self.output_dir})", flush=True)
 
-    def end_epoch(self, model: nn.Module, metrics: dict[str, Any]) -> None:
-        """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, save the weights."""
+    def open_metrics(self, start_epoch: int) -> TextIO:
+        """metrics.jsonl, keeping the lines of the epochs a resumed run does not repeat."""
+        path = self.output_dir / "metrics.jsonl"
+        kept = []
+        if start_epoch and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["epoch"] < start_epoch]
+        metrics_file = open(path, "w")  # noqa: SIM115 - closed in close()
+        metrics_file.writelines(line + "\n" for line in kept)
+        return metrics_file
+
+    def end_epoch(self, model: nn.Module, metrics: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+        """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, save the weights
+        and the checkpoint (each replaced in one step, so a crash leaves the previous one whole)."""
         if not self.enabled:
             return
         epoch = metrics["epoch"]
@@ -64,7 +71,11 @@ class RunRecorder:
             self.tensorboard.add_scalar(name, metrics[name], epoch)
         self.tensorboard.flush()
         # The plain model's weights: no "module." prefix, loadable without DDP.
-        save_atomic(unwrap_model(model).state_dict(), self.weights_dir / f"model-{epoch}.pth")
+        weights = unwrap_model(model).state_dict()
+        save_atomic(weights, self.weights_dir / f"model-{epoch}.pth")
+        if metrics["val_acc"] >= checkpoint["best_acc"]:
+            save_atomic(weights, self.weights_dir / "best.pth")
+        save_atomic(checkpoint, self.output_dir / CHECKPOINT_NAME)
 
     def close(self) -> None:
         if self.enabled:

@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -31,12 +32,17 @@ def processes_to_start(world_size: int | None, device: str | None) -> int:
 
 
 def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namespace) -> None:
-    """The entry point of every spawned process: a mistake the user can fix ends it with one line."""
+    """The entry point of every spawned process: a mistake the user can fix ends it with one line; any
+    other error is printed here, because once one rank fails the others fail too ("connection closed
+    by peer"), and mp.spawn reports whichever failure it noticed first, not necessarily the cause."""
     try:
         worker(rank, world_size, args)
     except UserInputError as err:
         print(f"error (rank {rank}): {one_line(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception:
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
 
 
 def port_was_taken(err: BaseException) -> bool:
@@ -60,9 +66,12 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> 
             mp.spawn(run_worker, args=(worker, world_size, args), nprocs=world_size, join=True)
             return
         except mp.ProcessRaisedException as err:
-            if not (port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS):
-                raise
-            print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
+            if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
+                print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
+                continue
+            print(f"error: process {err.error_index} failed (see its traceback above); the others were stopped",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
         except mp.ProcessExitedException as err:
             exit_on_lost_process(err)
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from .checkpoint import gather_rng_states, make_checkpoint
 from .distributed_utils import get_world_size, is_main_process, reduce_value, unwrap_model
 
 if TYPE_CHECKING:
@@ -112,10 +113,11 @@ def build_optimizer(model: nn.Module, lr: float, epochs: int, lrf: float = 0.1, 
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
         train_loader: DataLoader, val_loader: DataLoader, recorder: RunRecorder, epochs: int,
-        device: torch.device) -> EvalResult:
-    """Train and validate every epoch, handing each epoch's figures to `recorder`; returns the last result."""
+        device: torch.device, start_epoch: int = 0, best_acc: float = 0.0) -> EvalResult:
+    """Train and validate epochs start_epoch..epochs-1, handing each epoch's figures and checkpoint to
+    `recorder`; returns the last validation result."""
     result = EvalResult(0, 0, float("nan"))
-    for epoch in range(epochs):
+    for epoch in range(start_epoch, epochs):
         # A new shuffle every epoch; without set_epoch every epoch repeats the first epoch's order.
         train_loader.sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]  # read before scheduler.step(): the lr this epoch trains with
@@ -125,10 +127,12 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
         result = evaluate(model, val_loader, device)
         scheduler.step()
         images = len(train_loader) * train_loader.batch_size * get_world_size()
+        best_acc = max(best_acc, result.accuracy)
+        checkpoint = make_checkpoint(model, optimizer, scheduler, epoch, best_acc, gather_rng_states(), recorder.args)
         recorder.end_epoch(model, {
             "epoch": epoch, "train_loss": train_loss, "val_loss": result.loss, "val_acc": result.accuracy,
             "val_correct": result.correct, "val_total": result.total, "lr": lr,
             "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
             "world_size": get_world_size(),
-        })
+        }, checkpoint)
     return result

@@ -44,11 +44,12 @@ def test_plain_python_runs_the_launch_script_as_one_process(odd_folder: Path, tm
 
 
 def test_torchrun_two_processes(odd_folder: Path, tmp_path: Path) -> None:
-    cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", LAUNCH, *flags(odd_folder, tmp_path)]
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", LAUNCH, *flags(odd_folder, tmp_path), "--syncBN"]
     result = run(cmd)
     finished(result, tmp_path, world_size=2)
     assert result.stdout.count("[epoch 0] train_loss") == 1, "only rank 0 reports"
     assert "lr 0.01 x 2 process(es) = 0.02" in result.stdout
+    assert result.stdout.count("--syncBN: switched off, because PyTorch's SyncBatchNorm only runs on CUDA") == 1
 
 
 def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 import multi_train_utils.data
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, python, run
+from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, write_image
 from model import create_model
 from multi_train_utils.cli import parse_args
 
@@ -22,22 +23,24 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_short_run_learns_and_writes_every_output(image_folder: Path, tmp_path: Path) -> None:
+def test_a_short_run_learns_and_writes_every_output(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {"red": 20, "green": 20, "blue": 20})
     out = tmp_path / "run"
-    args = parse_args("single", ["--data-path", str(image_folder), "--output-dir", str(out), *TINY_FLAGS,
-                                 "--epochs", "4", "--lr", "0.02"])
+    args = parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                                 "--epochs", "4", "--lr", "0.002", "--batch-size", "8"])
     train_single_gpu.main(args)
     metrics = read_metrics(out)
     assert [m["epoch"] for m in metrics] == [0, 1, 2, 3]
     assert all(set(m) == METRIC_KEYS for m in metrics)
-    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
-    assert metrics[-1]["val_total"] == 6 and metrics[-1]["world_size"] == 1
-    assert metrics[-1]["val_acc"] == metrics[-1]["val_correct"] / 6
-    assert metrics[0]["lr"] == 0.02 and metrics[1]["lr"] < 0.02, "the lr used in each epoch, not the next one's"
+    assert metrics[-1]["train_loss"] < 0.7 * metrics[0]["train_loss"]
+    assert metrics[-1]["val_total"] == 12 and metrics[-1]["world_size"] == 1
+    assert metrics[-1]["val_acc"] == metrics[-1]["val_correct"] / 12
+    assert metrics[0]["lr"] == 0.002 and metrics[1]["lr"] < 0.002, "the lr used in each epoch, not the next one's"
     assert json.loads((out / "class_indices.json").read_text()) == {"0": "blue", "1": "green", "2": "red"}
     state = torch.load(out / "weights" / "model-3.pth", weights_only=True)
     assert not any(k.startswith("module.") for k in state)
     create_model("resnet18", 3).load_state_dict(state)
+    assert (out / "weights" / "best.pth").is_file() and (out / "checkpoint.pth").is_file()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -73,3 +76,28 @@ def test_scripts_run_from_any_working_directory(image_folder: Path, tmp_path: Pa
                   "--output-dir", "relative_out", *TINY_FLAGS], cwd=elsewhere, timeout=120)
     assert result.returncode == 0, result.stderr
     assert read_metrics(elsewhere / "relative_out")[0]["epoch"] == 0
+
+
+def test_a_messy_folder_trains(tmp_path: Path) -> None:
+    """What real folders hold: grayscale files, every extension case, stray files, a licence at the top."""
+    root = make_image_folder(tmp_path / "messy", {"cat": 8, "dog": 8})
+    for i, name in enumerate(["a.PNG", "b.jpeg", "c.JPG", "d.Jpeg"]):
+        write_image(root / ("cat" if i % 2 else "dog") / name, (120, 120, 120), mode="L")
+    (root / "cat" / "notes.txt").write_text("taken in the garden")
+    (root / "dog" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (root / "LICENSE").write_text("CC-BY 4.0")
+    out = tmp_path / "run"
+    train_single_gpu.main(parse_args("single", ["--data-path", str(root), "--output-dir", str(out), *TINY_FLAGS]))
+    metrics = read_metrics(out)[0]
+    assert metrics["val_total"] == 2 * 2  # every class of 10 images gives 2 to validation
+    assert len(torch.load(out / "weights" / "model-0.pth", weights_only=True)) > 0
+
+
+def test_the_two_multi_process_scripts_differ_only_in_how_they_start() -> None:
+    launch = (REPO / "train_multi_gpu_using_launch.py").read_text().splitlines()
+    spawn = (REPO / "train_multi_gpu_using_spawn.py").read_text().splitlines()
+    changed = [line for line in difflib.unified_diff(launch, spawn, lineterm="", n=0)
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert len(changed) <= 25, "\n".join(changed)
+    train = slice(launch.index("def train(args: argparse.Namespace, ctx: DistContext) -> None:"), None)
+    assert launch[train][:-3] == spawn[spawn.index(launch[train][0]):][:-3], "train() must be the same"

@@ -1,0 +1,142 @@
+"""Checkpoints that let a stopped run continue exactly where it was, and finding the one to resume."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main, unwrap_model
+from .errors import UserInputError
+
+CHECKPOINT_NAME = "checkpoint.pth"
+
+
+def save_atomic(obj: object, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+    scratch = path.with_name(f".{path.name}.partial")
+    torch.save(obj, scratch)
+    os.replace(scratch, path)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random state the next epoch's augmentation draws from, in types `weights_only` loads."""
+    version, mt_state, gauss = random.getstate()
+    _, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(mt_state), gauss],
+        "numpy": [torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_rng_states() -> list[dict[str, Any]]:
+    """Every rank's random state, in rank order (each rank draws its own augmentations)."""
+    if not is_dist_avail_and_initialized():
+        return [rng_state()]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, rng_state())
+    return states
+
+
+def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
+                    rng_states: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
+    """All it takes to continue after `epoch`: weights, optimizer and schedule, the best accuracy so far,
+    the random states of every rank, and the arguments (to check that a resumed run is the same run)."""
+    return {
+        "model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc, "rng": rng_states,
+        "args": args,
+    }
+
+
+def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
+    """Which checkpoint to continue from: --resume PATH, or with --resume auto (and in an attempt that
+    torchrun restarted) the one in --output-dir if there is one. A fresh run refuses to overwrite one."""
+    existing = Path(output_dir) / CHECKPOINT_NAME
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:
+        resume = "auto"
+    if resume == "auto":
+        return existing if existing.is_file() else None
+    if resume:
+        path = Path(resume)
+        if not path.is_file():
+            raise UserInputError(f"--resume {resume}: no such file")
+        return path
+    if existing.is_file():
+        raise UserInputError(f"--output-dir {output_dir}: holds a run already ({existing}); continue it with "
+                             "--resume auto, or choose another --output-dir")
+    return None
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise UserInputError(f"--resume {path}: not a checkpoint of this project ({str(err).splitlines()[0]})"
+                             ) from None
+    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scheduler", "epoch"} <= set(checkpoint):
+        raise UserInputError(f"--resume {path}: not a checkpoint of this project (a plain weights file? "
+                             "start from it with --weights instead)")
+    return checkpoint
+
+
+def broadcast_from_main(obj: object) -> object:
+    """Rank 0's `obj` on every rank: only rank 0 needs to see the file system."""
+    if not is_dist_avail_and_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext, model: nn.Module,
+           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[int, float]:
+    """Load the checkpoint to continue from, if any; return (first epoch to run, best accuracy so far)."""
+    found: tuple[str, Any] | None = None
+    if ctx.is_main:
+        try:
+            path = checkpoint_to_resume(resume_flag, output_dir)
+            found = (str(path), read_checkpoint(path)) if path else None
+        except UserInputError as err:
+            found = ("error", str(err))  # every rank raises it, rather than waiting for rank 0
+    found = broadcast_from_main(found)
+    if found is None:
+        return 0, 0.0
+    path, checkpoint = found
+    if path == "error":
+        raise UserInputError(checkpoint)
+    try:
+        unwrap_model(model).load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError) as err:
+        saved = checkpoint.get("args", {})
+        raise UserInputError(f"--resume {path}: saved from --model {saved.get('model')} on data with other "
+                             f"classes or another model; it does not fit ({str(err).splitlines()[0]})") from None
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    states = checkpoint["rng"]
+    if len(states) == ctx.world_size:
+        set_rng_state(states[ctx.rank])
+    else:
+        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the data order is "
+                   "kept, the random augmentations are not")
+    print_main(f"Resuming from {path} after epoch {checkpoint['epoch']}")
+    return checkpoint["epoch"] + 1, checkpoint["best_acc"]
