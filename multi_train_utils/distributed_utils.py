@@ -147,14 +147,31 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
     dist.init_process_group(
-        backend=backend, init_method=dist_url, world_size=ctx.world_size, rank=ctx.rank,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=ctx.device if backend == "nccl" else None,
+        backend=backend, init_method=None if store else dist_url, store=store, world_size=ctx.world_size,
+        rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
     )
     print(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
           f"local rank {ctx.local_rank}, {ctx.device}", flush=True)
     return ctx
+
+
+def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the key-value store the processes meet in, with a prefix per restart attempt.
+
+    torchrun keeps one store for all attempts of a job. After a restart, the new processes would read
+    the addresses the dead attempt left there and fail to connect (gloo: "connectFullMesh failed");
+    a prefix of their own makes each attempt start clean.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and ctx.rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ctx.world_size,
+                          is_master=hosts_store, timeout=timeout)
+    return dist.PrefixStore(f"attempt{attempt}", store)
 
 
 def single_process(device: str | None = None) -> DistContext:

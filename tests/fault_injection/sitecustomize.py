@@ -16,3 +16,26 @@ if "FAIL_RANK" in os.environ:
         return _train_one_epoch(*args, **kwargs)
 
     engine.train_one_epoch = _failing_train_one_epoch
+
+if "KILL_RANK" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+    import signal
+
+    import multi_train_utils.train_eval_utils as engine
+    from multi_train_utils.distributed_utils import get_rank
+
+    _train_one_epoch = engine.train_one_epoch
+
+    def _killed_after_one_step(loader):
+        for step, batch in enumerate(loader):
+            if step == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield batch
+
+    def _killing_train_one_epoch(model, optimizer, data_loader, device, epoch):
+        """SIGKILL (no clean-up, as the kernel's OOM killer would) rank KILL_RANK in the middle of epoch
+        KILL_EPOCH of the first attempt."""
+        if get_rank() == int(os.environ["KILL_RANK"]) and epoch == int(os.environ["KILL_EPOCH"]):
+            data_loader = _killed_after_one_step(data_loader)
+        return _train_one_epoch(model, optimizer, data_loader, device, epoch)
+
+    engine.train_one_epoch = _killing_train_one_epoch

@@ -1,0 +1,145 @@
+"""Checkpoints: a stopped run continues to the same weights; restarts after a SIGKILL lose nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import multi_train_utils.train_eval_utils as engine
+import train_single_gpu
+from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
+from multi_train_utils import checkpoint
+from multi_train_utils.cli import parse_args
+from multi_train_utils.errors import UserInputError
+
+RESUME_FLAGS = [*TINY_FLAGS, "--epochs", "3", "--lr", "0.002", "--batch-size", "8"]
+
+
+class Stop(Exception):
+    """Stands in for anything that ends a run between two epochs."""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("resume") / "images", {"red": 12, "green": 12, "blue": 12})
+
+
+def train(data: Path, out: Path, *extra: str) -> None:
+    train_single_gpu.main(parse_args("single", ["--data-path", str(data), "--output-dir", str(out),
+                                                *RESUME_FLAGS, *extra]))
+
+
+def max_difference(a: Path, b: Path) -> float:
+    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert first.keys() == second.keys()
+    return max((first[k].double() - second[k].double()).abs().max().item() for k in first)
+
+
+def test_a_run_stopped_after_an_epoch_and_resumed_ends_with_the_same_weights(
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    train(data, tmp_path / "unbroken")
+
+    original = engine.train_one_epoch
+
+    def stop_at_epoch_2(*args: object, **kwargs: object) -> float:
+        if kwargs.get("epoch", args[4] if len(args) > 4 else None) == 2:
+            raise Stop
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "train_one_epoch", stop_at_epoch_2)
+    with pytest.raises(Stop):
+        train(data, tmp_path / "broken")
+    assert torch.load(tmp_path / "broken" / "checkpoint.pth", weights_only=True)["epoch"] == 1
+    monkeypatch.setattr(engine, "train_one_epoch", original)
+    train(data, tmp_path / "broken", "--resume", "auto")
+
+    assert max_difference(tmp_path / "unbroken" / "weights" / "model-2.pth",
+                          tmp_path / "broken" / "weights" / "model-2.pth") <= 1e-6
+    lines = [json.loads(line) for line in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in lines] == [0, 1, 2]
+
+
+def test_a_fresh_run_refuses_to_overwrite_a_run(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(data, out, "--epochs", "1")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(data), "--output-dir", str(out),
+                  *RESUME_FLAGS], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: --output-dir {out}: holds a run already ({out / 'checkpoint.pth'}); "
+                                     "continue it with --resume auto, or choose another --output-dir")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("mismatch", ["model", "classes"])
+def test_a_checkpoint_of_another_model_or_class_count_is_a_clear_error(data: Path, tmp_path: Path,
+                                                                       mismatch: str) -> None:
+    train(data, tmp_path / "first", "--epochs", "1")
+    other_data = make_image_folder(tmp_path / "two_classes", {"a": 10, "b": 10})
+    flags = (["--model", "resnet34", "--data-path", str(data)] if mismatch == "model"
+             else ["--data-path", str(other_data)])
+    result = run([python(), str(REPO / "train_single_gpu.py"), "--output-dir", str(tmp_path / "second"),
+                  *RESUME_FLAGS, *flags, "--resume", str(tmp_path / "first" / "checkpoint.pth")], timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: --resume {tmp_path / 'first' / 'checkpoint.pth'}: saved from --model "
+                                    "resnet18"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "plain.pth")
+    with pytest.raises(UserInputError, match=r"not a checkpoint of this project .*--weights instead"):
+        checkpoint.read_checkpoint(tmp_path / "plain.pth")
+    with pytest.raises(UserInputError, match=r"--resume .*nothing\.pth: no such file"):
+        checkpoint.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path)
+    assert checkpoint.checkpoint_to_resume("auto", tmp_path) is None
+
+
+def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "checkpoint.pth"
+    checkpoint.save_atomic({"epoch": 1, "weights": torch.ones(1000)}, path)
+    real_save = torch.save
+
+    def dies_half_way(obj: object, target: Path) -> None:
+        real_save(obj, target)
+        Path(target).write_bytes(Path(target).read_bytes()[:100])  # what a crash mid-write leaves
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_atomic({"epoch": 2, "weights": torch.zeros(1000)}, path)
+    assert torch.load(path, weights_only=True)["epoch"] == 1
+
+
+def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pth")
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    checkpoint.set_rng_state(torch.load(tmp_path / "rng.pth", weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert (random.random(), np.random.rand()) == expected[1:]
+
+
+@pytest.mark.slow
+def test_torchrun_restart_after_a_sigkilled_rank_ends_with_the_same_weights(data: Path, tmp_path: Path) -> None:
+    cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data), *RESUME_FLAGS,
+           "--batch-size", "4"]  # 3 steps per epoch and process: the kill comes after the first
+    unbroken = run([*cmd, "--output-dir", str(tmp_path / "unbroken")])
+    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+    env = script_env(KILL_RANK="1", KILL_EPOCH="1", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
+    broken = run([*cmd, "--output-dir", str(tmp_path / "broken")], env=env)
+    assert broken.returncode == 0, broken.stderr[-3000:]
+    assert "Resuming from" in broken.stdout, "the restarted attempt must resume, not start over"
+    assert max_difference(tmp_path / "unbroken" / "weights" / "model-2.pth",
+                          tmp_path / "broken" / "weights" / "model-2.pth") <= 1e-6
+    lines = [json.loads(line) for line in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["epoch"] for m in lines] == [0, 1, 2]
