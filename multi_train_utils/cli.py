@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from .errors import UserInputError
+from .errors import Terminated, UserInputError, raise_on_sigterm
 
 Launcher = Literal["single", "launch", "spawn"]
 
@@ -111,12 +112,18 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
 
 
 def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
-    """Run `main`; a mistake the user can fix ends with one line on stderr and exit code 2."""
+    """Run `main`; a mistake the user can fix ends with one line on stderr and exit code 2, Ctrl-C and
+    SIGTERM with one line and 130 or 143, after the clean-up in every `finally` has run."""
+    raise_on_sigterm()
     try:
         main(args)
     except UserInputError as err:
         print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except (KeyboardInterrupt, Terminated) as stop:
+        name = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+        print(f"Stopped by {name}; the checkpoint of the last finished epoch is kept.", file=sys.stderr, flush=True)
+        sys.exit(128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT))
 
 
 def one_line(err: BaseException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,13 +116,19 @@ def build_loaders(datasets: DataSets, batch_size: int, ctx: DistContext, workers
     val_sampler = UnpaddedDistributedSampler(len(datasets.val), ctx.world_size, ctx.rank)
     workers = default_workers(ctx) if workers is None else workers
     common = dict(num_workers=workers, pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
-                  collate_fn=datasets.train.collate_fn)
+                  collate_fn=datasets.train.collate_fn, multiprocessing_context=loader_start_method(workers))
     # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
     train_loader = DataLoader(datasets.train, batch_size=batch_size, sampler=train_sampler, drop_last=True,
                               **common)
     val_loader = DataLoader(datasets.val, batch_size=batch_size, sampler=val_sampler, **common)
     print_main(f"Using {workers} data-loader workers per process")
     return train_loader, val_loader
+
+
+def loader_start_method(workers: int) -> str | None:
+    """Fork data-loader workers on Linux, even inside processes started by spawn (whose children would
+    otherwise be spawned too, each importing torch again: seconds per worker)."""
+    return "fork" if workers > 0 and sys.platform == "linux" else None
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:

@@ -1,4 +1,6 @@
-"""The one exception type that means "the user can fix this"."""
+"""How a run ends early: a mistake the user can fix, or a signal."""
+
+import signal
 
 
 class UserInputError(ValueError):
@@ -6,3 +8,18 @@ class UserInputError(ValueError):
 
     Anything else that goes wrong is our bug and keeps its traceback.
     """
+
+
+class Terminated(SystemExit):
+    """SIGTERM, turned into an exception so that `finally` blocks still run: TensorBoard is closed, the
+    process group left, data-loader workers stopped. Exits with 143, as the signal itself would."""
+
+    def __init__(self) -> None:
+        super().__init__(128 + signal.SIGTERM)
+
+
+def raise_on_sigterm() -> None:
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, handler)

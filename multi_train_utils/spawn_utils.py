@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -14,7 +15,7 @@ import torch.multiprocessing as mp
 
 from .cli import one_line
 from .distributed_utils import find_free_port, resolve_device
-from .errors import UserInputError
+from .errors import UserInputError, raise_on_sigterm
 
 PORT_ATTEMPTS = 3
 Worker = Callable[[int, int, argparse.Namespace], None]
@@ -35,6 +36,7 @@ def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namesp
     """The entry point of every spawned process: a mistake the user can fix ends it with one line; any
     other error is printed here, because once one rank fails the others fail too ("connection closed
     by peer"), and mp.spawn reports whichever failure it noticed first, not necessarily the cause."""
+    raise_on_sigterm()
     try:
         worker(rank, world_size, args)
     except UserInputError as err:
@@ -62,8 +64,11 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> 
     for attempt in range(1, PORT_ATTEMPTS + 1):
         if port_is_ours:
             os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
+        context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
+                                     start_method="spawn")
         try:
-            mp.spawn(run_worker, args=(worker, world_size, args), nprocs=world_size, join=True)
+            while not context.join():  # returns when all are done; raises when one fails (and stops the rest)
+                pass
             return
         except mp.ProcessRaisedException as err:
             if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
@@ -74,6 +79,22 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> 
             sys.exit(1)
         except mp.ProcessExitedException as err:
             exit_on_lost_process(err)
+        finally:
+            # Also on Ctrl-C or SIGTERM to this process: no worker outlives the launcher.
+            stop_processes(context.processes)
+
+
+def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:
+    """SIGTERM every process still running, then SIGKILL those that have not ended after `grace_s`."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def exit_on_lost_process(err: mp.ProcessExitedException) -> None:

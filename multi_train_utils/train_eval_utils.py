@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from .checkpoint import gather_rng_states, make_checkpoint
 from .distributed_utils import get_world_size, is_main_process, reduce_value, unwrap_model
+from .errors import UserInputError
 
 if TYPE_CHECKING:
     from .recorder import RunRecorder
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 LOG_EVERY = 10  # steps between progress-bar updates; each update waits for the device
 
 
-class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite: training has diverged (try a smaller --lr)."""
+class NonFiniteLossError(UserInputError):
+    """The loss became NaN or infinite: training has diverged. Raised on every rank at the same step."""
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,10 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     """Train on this process's share of one epoch; return the mean loss over all processes' images."""
     model.train()
     loss_function = nn.CrossEntropyLoss()
-    # Summed on the device and read once at the end: reading it every step would make the CPU wait
-    # for the GPU every step.
+    # Summed on the device and read only every LOG_EVERY steps: reading them every step would make the
+    # CPU wait for the GPU every step.
     loss_sum = torch.zeros((), device=device)
+    non_finite = torch.zeros((), device=device)
     images_seen = 0
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
                     dynamic_ncols=True)
@@ -57,15 +59,28 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach() * labels.size(0)
+        non_finite += ~torch.isfinite(loss.detach())
         images_seen += labels.size(0)
-        if step % LOG_EVERY == 0 and is_main_process():
-            progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        if (step + 1) % LOG_EVERY == 0:
+            stop_if_diverged(non_finite, epoch, step)
+            if is_main_process():
+                progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+    stop_if_diverged(non_finite, epoch, step)
     totals = reduce_value(torch.stack([loss_sum, torch.tensor(float(images_seen), device=device)]), average=False)
-    mean_loss = (totals[0] / totals[1]).item()
-    if not math.isfinite(mean_loss):
-        raise NonFiniteLossError(f"epoch {epoch}: the training loss is {mean_loss}; training has diverged "
-                                 "(try a smaller --lr)")
-    return mean_loss
+    return (totals[0] / totals[1]).item()
+
+
+def stop_if_diverged(non_finite: torch.Tensor, epoch: int, step: int) -> None:
+    """Stop every process at the same step if the loss of any of them was NaN or infinite.
+
+    One all-reduce tells every rank the same count, so all raise together; a rank that stopped alone
+    would leave the others waiting for it in their next collective.
+    """
+    count = int(reduce_value(non_finite.clone(), average=False).item())
+    if count:
+        raise NonFiniteLossError(f"epoch {epoch}, step {step}: the training loss became NaN or infinite "
+                                 f"({count} time(s) since the last check), so training stopped; the checkpoint "
+                                 "of the last finished epoch is kept. Try a smaller --lr")
 
 
 @torch.no_grad()

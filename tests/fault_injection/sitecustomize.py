@@ -39,3 +39,21 @@ if "KILL_RANK" in os.environ and os.environ.get("TORCHELASTIC_RESTART_COUNT") ==
         return _train_one_epoch(model, optimizer, data_loader, device, epoch)
 
     engine.train_one_epoch = _killing_train_one_epoch
+
+if "NAN_RANK" in os.environ:
+    import multi_train_utils.train_eval_utils as engine
+    from multi_train_utils.distributed_utils import get_rank
+
+    _train_one_epoch = engine.train_one_epoch
+
+    def _poisoned(loader):
+        for step, (images, labels) in enumerate(loader):
+            yield (images * float("nan") if step == 1 else images), labels
+
+    def _nan_train_one_epoch(model, optimizer, data_loader, device, epoch):
+        """Feed NaN images to rank NAN_RANK at step 1 of epoch NAN_EPOCH: its loss becomes NaN."""
+        if get_rank() == int(os.environ["NAN_RANK"]) and epoch == int(os.environ["NAN_EPOCH"]):
+            data_loader = _poisoned(data_loader)
+        return _train_one_epoch(model, optimizer, data_loader, device, epoch)
+
+    engine.train_one_epoch = _nan_train_one_epoch

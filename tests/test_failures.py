@@ -1,0 +1,97 @@
+"""When things go wrong: a diverging loss on one rank, and input the user can fix, on every launcher."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
+
+SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
+           "torchrun": [*torchrun(), "--standalone", "--nproc_per_node=2",
+                        str(REPO / "train_multi_gpu_using_launch.py")],
+           "spawn": [python(), str(REPO / "train_multi_gpu_using_spawn.py"), "--world-size", "2"]}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("failures") / "images", {"a": 10, "b": 10, "c": 10})
+
+
+def one_line_error(result: object, expected_start: str) -> None:
+    """The error is one line (once per process that met it), without a traceback through our code.
+
+    torchrun itself still reports a failed worker with its own ChildFailedError traceback, which names
+    the worker's exit code; that part is torchrun's and the same for every script.
+    """
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert errors, result.stderr[-3000:]
+    assert all(expected_start in line for line in errors), result.stderr[-3000:]
+    our_frames = [line for line in result.stderr.splitlines() if line.startswith('  File "') and str(REPO) in line]
+    assert our_frames == [], result.stderr[-3000:]
+    if "ChildFailedError" not in result.stderr:
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoint(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = script_env(NAN_RANK="1", NAN_EPOCH="1", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
+    result = run([*SCRIPTS["torchrun"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                  "--epochs", "3"], env=env, timeout=120)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "became NaN or infinite" in line]
+    assert len(lines) == 2, "both ranks stop at the same step, each with the same message"
+    assert all(line.startswith("error: epoch 1, step 2: the training loss became NaN") for line in lines), lines
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert saved["epoch"] == 0
+    assert all(torch.isfinite(t).all() for t in saved["model"].values() if t.is_floating_point())
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["single", "torchrun", "spawn"])
+def test_a_missing_data_folder_is_one_line_on_every_launcher(tmp_path: Path, launcher: str) -> None:
+    result = run([*SCRIPTS[launcher], "--data-path", str(tmp_path / "nowhere"), "--output-dir",
+                  str(tmp_path / "run"), *TINY_FLAGS], timeout=120)
+    assert result.returncode != 0
+    one_line_error(result, f"--data-path {tmp_path / 'nowhere'}: no such folder")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_corrupt_image_is_named_in_one_line(data: Path, tmp_path: Path) -> None:
+    broken = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
+    (broken / "b" / "b_004.jpg").write_bytes(b"\xff\xd8\xff\xe0 this JPEG stops here")
+    for workers in ("0", "1"):
+        result = run([*SCRIPTS["single"], "--data-path", str(broken), "--output-dir", str(tmp_path / workers),
+                      *TINY_FLAGS, "--workers", workers, "--epochs", "2"], timeout=120)
+        assert result.returncode == 2
+        one_line_error(result, f"cannot read image {broken / 'b' / 'b_004.jpg'}")
+
+
+@pytest.mark.parametrize(("content", "message"), [(b"<html>404</html>", "not a PyTorch weights file"),
+                                                  ("tensors", "none of its 1 tensors fit resnet18")])
+def test_a_weights_file_that_is_not_weights_or_does_not_fit(data: Path, tmp_path: Path, content: object,
+                                                            message: str) -> None:
+    weights = tmp_path / "weights.pth"
+    if content == "tensors":
+        torch.save({"unrelated.layer": torch.zeros(3)}, weights)
+    else:
+        weights.write_bytes(content)
+    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
+                  "--weights", str(weights)], timeout=120)
+    assert result.returncode == 2
+    one_line_error(result, f"--weights {weights}: {message}")
+
+
+def test_an_output_folder_that_cannot_be_written(data: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("a file where the output folder should go")
+    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(blocker / "run"), *TINY_FLAGS],
+                 timeout=120)
+    assert result.returncode == 2
+    one_line_error(result, f"--output-dir {blocker / 'run'}: cannot write there")
+    assert blocker.read_text() == "a file where the output folder should go"
