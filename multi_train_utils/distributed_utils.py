@@ -10,6 +10,7 @@ import datetime
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -177,6 +178,30 @@ def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.St
 def single_process(device: str | None = None) -> DistContext:
     """The context of a plain one-process run, whatever the environment says."""
     return DistContext(0, 0, 1, 1, resolve_device(device, 0, distributed=False), distributed=False)
+
+
+class StalledRankError(UserInputError):
+    """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
+
+
+def raise_if_a_rank_stalled(err: BaseException, ctx: DistContext, settle_s: float = 2.0) -> None:
+    """If `err` is a collective's time-out, raise a one-line error naming the ranks that stopped answering.
+
+    Every rank still alive is stuck in the same collective and times out at about the same moment; each
+    marks itself in the process group's key-value store, waits a moment for the others, and reports
+    the ranks that never marked themselves (hung in a data loader, a deadlock, a stopped machine). With
+    NCCL, PyTorch's own watchdog ends the processes on a time-out and names the collective instead.
+    """
+    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
+    if not (is_dist_avail_and_initialized() and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
+        return
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"timed_out/{ctx.rank}", "1")
+    time.sleep(settle_s)
+    silent = [rank for rank in range(ctx.world_size) if not store.check([f"timed_out/{rank}"])]
+    raise StalledRankError(f"rank {ctx.rank} waited longer than --dist-timeout for the other processes; "
+                           f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
+                           "answering") from err
 
 
 def cleanup() -> None:

@@ -18,6 +18,7 @@ from .distributed_utils import find_free_port, resolve_device
 from .errors import UserInputError, raise_on_sigterm
 
 PORT_ATTEMPTS = 3
+STOP_GRACE_S = 3.0
 Worker = Callable[[int, int, argparse.Namespace], None]
 
 
@@ -67,7 +68,9 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> 
         context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
                                      start_method="spawn")
         try:
-            while not context.join():  # returns when all are done; raises when one fails (and stops the rest)
+            # join() returns True when all are done, and raises when one fails, after stopping the rest:
+            # SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later.
+            while not context.join(grace_period=STOP_GRACE_S):
                 pass
             return
         except mp.ProcessRaisedException as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,16 @@ def test_an_output_folder_that_cannot_be_written(data: Path, tmp_path: Path) -> 
     assert result.returncode == 2
     one_line_error(result, f"--output-dir {blocker / 'run'}: cannot write there")
     assert blocker.read_text() == "a file where the output folder should go"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_rank_that_stops_answering_is_named_and_the_job_ends(data: Path, tmp_path: Path, launcher: str) -> None:
+    env = script_env(HANG_RANK="1", HANG_EPOCH="1", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
+    started = time.monotonic()
+    result = run([*SCRIPTS[launcher], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
+                  "--epochs", "3", "--dist-timeout", "5"], env=env, timeout=120)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 90, "the job must end soon after the time-out, not hang"
+    one_line_error(result, "rank 0 waited longer than --dist-timeout for the other processes; rank(s) 1 stopped "
+                           "answering")

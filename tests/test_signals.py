@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -49,12 +49,14 @@ def still_running(pids: set[int]) -> list[str]:
 
 
 def port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """Whether the next job can meet on `port`: a new store can listen there (connections of the old
+    one may linger in TIME_WAIT, which the store, like every server, is allowed to listen over)."""
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=5))
+    except RuntimeError:
+        return False
+    del store
+    return True
 
 
 @pytest.mark.parametrize("launcher", ["single", "torchrun", "spawn"])

@@ -57,3 +57,19 @@ if "NAN_RANK" in os.environ:
         return _train_one_epoch(model, optimizer, data_loader, device, epoch)
 
     engine.train_one_epoch = _nan_train_one_epoch
+
+if "HANG_RANK" in os.environ:
+    import time
+
+    import multi_train_utils.train_eval_utils as engine
+    from multi_train_utils.distributed_utils import get_rank
+
+    _train_one_epoch = engine.train_one_epoch
+
+    def _hanging_train_one_epoch(model, optimizer, data_loader, device, epoch):
+        """Rank HANG_RANK stops answering at the start of epoch HANG_EPOCH (a stuck loader, say)."""
+        if get_rank() == int(os.environ["HANG_RANK"]) and epoch == int(os.environ["HANG_EPOCH"]):
+            time.sleep(600)
+        return _train_one_epoch(model, optimizer, data_loader, device, epoch)
+
+    engine.train_one_epoch = _hanging_train_one_epoch
