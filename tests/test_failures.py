@@ -31,7 +31,8 @@ def one_line_error(result: object, expected_start: str) -> None:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert errors, result.stderr[-3000:]
     assert all(expected_start in line for line in errors), result.stderr[-3000:]
-    our_frames = [line for line in result.stderr.splitlines() if line.startswith('  File "') and str(REPO) in line]
+    our_frames = [line for line in result.stderr.splitlines()
+                  if line.startswith('  File "') and str(REPO) in line and "site-packages" not in line]
     assert our_frames == [], result.stderr[-3000:]
     if "ChildFailedError" not in result.stderr:
         assert "Traceback" not in result.stderr
