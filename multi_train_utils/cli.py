@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, NoReturn
 
 from .errors import Terminated, UserInputError, raise_on_sigterm
 
@@ -52,9 +52,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line, like every other mistake, instead of the whole usage first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
     """The flags of one script; multi-process flags only where they apply."""
-    parser = argparse.ArgumentParser(add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineErrorParser(add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
     add("--data-path", default=None,
         help="folder with one sub-folder of images per class; without it, the built-in demo data")

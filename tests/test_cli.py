@@ -47,7 +47,8 @@ def test_out_of_range_values_are_refused_naming_the_flag(argv: list[str],
     with pytest.raises(SystemExit) as exit_info:
         parse_args("spawn", argv)
     assert exit_info.value.code == 2
-    assert f"argument {argv[0]}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: argument {argv[0]}") and err.count("\n") == 1, err
 
 
 def test_defaults_depend_on_whether_the_demo_data_is_used() -> None:
