@@ -72,8 +72,8 @@ def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> P
     """Which checkpoint to continue from: --resume PATH, or with --resume auto (and in an attempt that
     torchrun restarted) the one in --output-dir if there is one. A fresh run refuses to overwrite one."""
     existing = Path(output_dir) / CHECKPOINT_NAME
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not resume:
-        resume = "auto"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and existing.is_file():
+        return existing  # a restarted attempt goes on from where the failed one got to, whatever --resume says
     if resume == "auto":
         return existing if existing.is_file() else None
     if resume:

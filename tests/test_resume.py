@@ -98,6 +98,20 @@ def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     assert checkpoint.checkpoint_to_resume("auto", tmp_path) is None
 
 
+def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "start.pth").write_bytes(b"the checkpoint the job was started from")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert checkpoint.checkpoint_to_resume(None, tmp_path) is None  # died before its first checkpoint
+    assert checkpoint.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "start.pth"
+    (tmp_path / "checkpoint.pth").write_bytes(b"written by the attempt that died")
+    assert checkpoint.checkpoint_to_resume(None, tmp_path) == tmp_path / "checkpoint.pth"
+    assert checkpoint.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "checkpoint.pth"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises(UserInputError, match="holds a run already"):
+        checkpoint.checkpoint_to_resume(None, tmp_path)
+
+
 def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "checkpoint.pth"
