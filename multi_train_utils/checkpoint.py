@@ -33,7 +33,8 @@ def rng_state() -> dict[str, Any]:
         "python": [version, list(mt_state), gauss],
         "numpy": [torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached],
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        # Only this process's own GPU: a resumed run may see fewer GPUs (one per task under SLURM).
+        "cuda": [torch.cuda.get_rng_state()] if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
     }
 
 
@@ -44,7 +45,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"][0])
 
 
 def gather_rng_states() -> list[dict[str, Any]]:
@@ -99,6 +100,15 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
+def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               factor: float) -> None:
+    """Scale the saved lr (current, initial and the schedule's base) when the world size changed."""
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        group["initial_lr"] *= factor
+    scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
+
+
 def broadcast_from_main(obj: object) -> object:
     """Rank 0's `obj` on every rank: only rank 0 needs to see the file system."""
     if not is_dist_avail_and_initialized():
@@ -136,7 +146,8 @@ def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistCont
     if len(states) == ctx.world_size:
         set_rng_state(states[ctx.rank])
     else:
-        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the data order is "
-                   "kept, the random augmentations are not")
+        rescale_lr(optimizer, scheduler, ctx.world_size / len(states))
+        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the lr is scaled by "
+                   f"{ctx.world_size}/{len(states)} with the global batch; the random augmentations differ")
     print_main(f"Resuming from {path} after epoch {checkpoint['epoch']}")
     return checkpoint["epoch"] + 1, checkpoint["best_acc"]

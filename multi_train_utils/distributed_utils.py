@@ -72,9 +72,10 @@ def detect_launch(env: Mapping[str, str], spawn_rank: int | None = None,
         world_size = int(env["WORLD_SIZE"])
         return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), world_size,
                       int(env.get("LOCAL_WORLD_SIZE", world_size)), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        # A step started by srun knows its own task count; the batch step only knows the allocation's.
-        world_size = int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"]))
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        # Only srun sets SLURM_STEP_NUM_TASKS. A batch script or an salloc shell also has SLURM_PROCID=0
+        # and the allocation's SLURM_NTASKS, but no other tasks will come: there we run as one process.
+        world_size = int(env["SLURM_STEP_NUM_TASKS"])
         nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
         job_id = int(env.get("SLURM_JOB_ID", 0))
         node_list = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST")))
@@ -117,8 +118,9 @@ def resolve_device(requested: str | None, local_rank: int, distributed: bool) ->
         raise UserInputError(f"--device {requested!r}: only cpu and cuda are supported")
     if not torch.cuda.is_available():
         raise UserInputError(f"--device {requested}: no CUDA GPU is visible (use --device cpu)")
-    # With several processes on a node, each one takes the GPU of its local rank.
-    index = local_rank if distributed else (device.index or 0)
+    # With several processes on a node, each one takes the GPU of its local rank; where the scheduler
+    # shows each process only its own GPU (srun --gpus-per-task=1), that one.
+    index = (local_rank if torch.cuda.device_count() > 1 else 0) if distributed else (device.index or 0)
     if index >= torch.cuda.device_count():
         raise UserInputError(f"--device {requested}: GPU {index} asked for, "
                              f"but only {torch.cuda.device_count()} visible")
@@ -139,7 +141,8 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
     ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
                       resolve_device(device, launch.local_rank, distributed), distributed)
     if ctx.device.type == "cpu":
-        torch.set_num_threads(cpu_threads_per_process(ctx.local_world_size))
+        # SLURM gives each task its own CPUs already (--cpus-per-task); the others share the machine's.
+        torch.set_num_threads(cpu_threads_per_process(1 if launch.source == "slurm" else ctx.local_world_size))
     else:
         torch.cuda.set_device(ctx.device)
     if not distributed:
@@ -177,7 +180,10 @@ def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.St
 
 def single_process(device: str | None = None) -> DistContext:
     """The context of a plain one-process run, whatever the environment says."""
-    return DistContext(0, 0, 1, 1, resolve_device(device, 0, distributed=False), distributed=False)
+    ctx = DistContext(0, 0, 1, 1, resolve_device(device, 0, distributed=False), distributed=False)
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    return ctx
 
 
 class StalledRankError(UserInputError):

@@ -15,6 +15,14 @@ from .distributed_utils import DistContext, unwrap_model
 from .errors import UserInputError
 
 
+def epoch_of(line: str) -> float:
+    """The epoch a metrics.jsonl line is about; infinity for a line a killed run left half-written."""
+    try:
+        return json.loads(line)["epoch"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class RunRecorder:
     """Writes class_indices.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
     weights/best.pth and the checkpoint that --resume continues from.
@@ -50,7 +58,7 @@ class RunRecorder:
         path = self.output_dir / "metrics.jsonl"
         kept = []
         if start_epoch and path.is_file():
-            kept = [line for line in path.read_text().splitlines() if json.loads(line)["epoch"] < start_epoch]
+            kept = [line for line in path.read_text().splitlines() if epoch_of(line) < start_epoch]
         metrics_file = open(path, "w")  # noqa: SIM115 - closed in close()
         metrics_file.writelines(line + "\n" for line in kept)
         return metrics_file

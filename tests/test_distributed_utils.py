@@ -32,7 +32,8 @@ def test_torchrun_variables() -> None:
 
 
 def test_slurm_variables_under_srun() -> None:
-    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NNODES": "2",
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
+           "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
     launch = detect_launch(env)
     assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (3, 1, 4, 2)
@@ -47,6 +48,11 @@ def test_slurm_step_values_and_preset_master_win() -> None:
     launch = detect_launch(env)
     assert (launch.world_size, launch.local_world_size, launch.master_addr, launch.master_port) == (
         2, 2, "10.1.2.3", 1234)
+
+
+def test_a_slurm_batch_script_without_srun_is_one_process() -> None:
+    """sbatch --ntasks=8 running `python train...` directly: no other task will ever join."""
+    assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "1"}).source == "single"
 
 
 def test_torchrun_inside_a_slurm_job_wins_over_slurm() -> None:
@@ -90,6 +96,17 @@ def test_each_process_takes_the_gpu_of_its_local_rank() -> None:
     assert resolve_device("auto", 0, distributed=False).type == "cuda"
     with pytest.raises(UserInputError, match="visible"):
         resolve_device("cuda", last + 1, distributed=True)
+
+
+@pytest.mark.parametrize(("visible", "local_rank", "expected"), [(1, 3, 0), (4, 3, 3), (8, 0, 0)])
+def test_gpu_of_each_process(monkeypatch: pytest.MonkeyPatch, visible: int, local_rank: int, expected: int) -> None:
+    """One GPU per process on a node; a process that sees only one GPU (srun --gpus-per-task=1) takes it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert resolve_device("cuda", local_rank, distributed=True) == torch.device("cuda", expected)
+    if visible > 1:
+        with pytest.raises(UserInputError, match=f"GPU {visible} asked for, but only {visible} visible"):
+            resolve_device("cuda", visible, distributed=True)
 
 
 def test_cores_are_shared_between_processes_on_a_machine() -> None:

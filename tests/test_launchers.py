@@ -80,7 +80,8 @@ def test_two_torchrun_agents_as_two_nodes(odd_folder: Path, tmp_path: Path) -> N
 
 def test_srun_variables(odd_folder: Path, tmp_path: Path) -> None:
     """Two processes started as srun would start them: ranks from SLURM_*, the master from the node list."""
-    job_env = {"SLURM_NTASKS": "2", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "7",
+    job_env = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "1",
+               "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "7",
                "MASTER_PORT": str(free_port())}
     ranks = [subprocess.Popen([python(), LAUNCH, *flags(odd_folder, tmp_path)], cwd=REPO,
                               env=script_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), **job_env),
