@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn
 
-from .errors import Terminated, UserInputError, raise_on_sigterm
+from .errors import Terminated, UserInputError, raise_on_sigterm, report
 
 Launcher = Literal["single", "launch", "spawn"]
 
@@ -125,11 +125,11 @@ def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace
     try:
         main(args)
     except UserInputError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr, flush=True)
+        report(f"error: {one_line(err)}")
         sys.exit(2)
     except (KeyboardInterrupt, Terminated) as stop:
         name = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
-        print(f"Stopped by {name}; the checkpoint of the last finished epoch is kept.", file=sys.stderr, flush=True)
+        report(f"Stopped by {name}; the checkpoint of the last finished epoch is kept.")
         sys.exit(128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT))
 
 

@@ -1,6 +1,7 @@
 """How a run ends early: a mistake the user can fix, or a signal."""
 
 import signal
+import sys
 
 
 class UserInputError(ValueError):
@@ -23,3 +24,10 @@ def raise_on_sigterm() -> None:
         raise Terminated
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def report(line: str) -> None:
+    """Write one line to stderr in a single write, so lines of several ranks sharing a terminal or a
+    log never interleave mid-line (print writes the text and the newline separately)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

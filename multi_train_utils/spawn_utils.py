@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from .cli import one_line
 from .distributed_utils import find_free_port, resolve_device
-from .errors import UserInputError, raise_on_sigterm
+from .errors import UserInputError, raise_on_sigterm, report
 
 PORT_ATTEMPTS = 3
 STOP_GRACE_S = 3.0
@@ -41,10 +41,10 @@ def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namesp
     try:
         worker(rank, world_size, args)
     except UserInputError as err:
-        print(f"error (rank {rank}): {one_line(err)}", file=sys.stderr, flush=True)
+        report(f"error (rank {rank}): {one_line(err)}")
         sys.exit(2)
     except Exception:
-        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        report(f"rank {rank} failed:\n{traceback.format_exc()}")
         raise
 
 
@@ -77,8 +77,7 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> 
             if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
                 print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
                 continue
-            print(f"error: process {err.error_index} failed (see its traceback above); the others were stopped",
-                  file=sys.stderr, flush=True)
+            report(f"error: process {err.error_index} failed (see its traceback above); the others were stopped")
             sys.exit(1)
         except mp.ProcessExitedException as err:
             exit_on_lost_process(err)
@@ -103,7 +102,7 @@ def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:
 def exit_on_lost_process(err: mp.ProcessExitedException) -> None:
     """A process ended without a Python exception: it printed its own error, or a signal killed it."""
     if err.exit_code is not None and err.exit_code < 0:
-        print(f"error: process {err.error_index} was killed by {signal.Signals(-err.exit_code).name}; "
-              "the others were stopped", file=sys.stderr, flush=True)
+        report(f"error: process {err.error_index} was killed by {signal.Signals(-err.exit_code).name}; "
+               "the others were stopped")
         sys.exit(1)
     sys.exit(err.exit_code or 1)

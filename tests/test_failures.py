@@ -46,7 +46,7 @@ def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoint(data: 
                   "--epochs", "3"], env=env, timeout=120)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "became NaN or infinite" in line]
-    assert len(lines) == 2, "both ranks stop at the same step, each with the same message"
+    assert len(lines) == 2, f"both ranks stop at the same step, each with the same message: {lines}"
     assert all(line.startswith("error: epoch 1, step 2: the training loss became NaN") for line in lines), lines
     saved = torch.load(out / "checkpoint.pth", weights_only=True)
     assert saved["epoch"] == 0
