@@ -22,6 +22,15 @@ def no_preset_port(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another program listens on for the length of the test."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        yield squatter.getsockname()[1]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
 def test_world_size_defaults_to_two_on_a_cpu() -> None:
     assert spawn_utils.processes_to_start(None, "auto") == 2
@@ -39,25 +48,19 @@ def test_more_processes_than_gpus_is_a_clear_error() -> None:
 
 
 @pytest.mark.slow
-def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
+def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch, no_preset_port: None, taken_port: int,
                                            capsys: pytest.CaptureFixture) -> None:
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        ports: Iterator[int] = iter([squatter.getsockname()[1], free_port()])
-        monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: next(ports))
-        spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
+    ports = iter([taken_port, free_port()])
+    monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: next(ports))
+    spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
     assert "was taken meanwhile; trying another" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_a_preset_master_port_is_used_and_not_replaced(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
-                                                        capfd: pytest.CaptureFixture) -> None:
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        monkeypatch.setenv("MASTER_PORT", str(squatter.getsockname()[1]))
-        with pytest.raises(SystemExit) as exit_info:
-            spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
+                                                        taken_port: int, capfd: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("MASTER_PORT", str(taken_port))
+    with pytest.raises(SystemExit) as exit_info:
+        spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
     assert exit_info.value.code == 1
     assert re.search(r"EADDRINUSE|address already in use", capfd.readouterr().err)
