@@ -8,7 +8,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+import numpy as np
+import torch
 from torch import nn
+
+from utils import batch_grid
 
 from .checkpoint import CHECKPOINT_NAME, save_atomic
 from .distributed_utils import DistContext, unwrap_model
@@ -23,6 +27,12 @@ def epoch_of(line: str) -> float:
         return float("inf")
 
 
+def args_table(args: dict[str, Any]) -> str:
+    """The run's arguments as a Markdown table, which TensorBoard's Text tab shows as a table."""
+    rows = [f"| {name} | {value} |" for name, value in sorted(args.items())]
+    return "\n".join(["| argument | value |", "| --- | --- |", *rows])
+
+
 class RunRecorder:
     """Writes class_indices.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
     weights/best.pth and the checkpoint that --resume continues from.
@@ -34,6 +44,7 @@ class RunRecorder:
                  args: dict[str, Any], start_epoch: int = 0) -> None:
         self.enabled = ctx.is_main
         self.args = args
+        self.class_names = class_names
         self.output_dir = Path(output_dir)
         self.weights_dir = self.output_dir / "weights"
         if not self.enabled:
@@ -50,7 +61,7 @@ class RunRecorder:
         # purge_step: a resumed run drops what the stopped one logged after its last checkpoint.
         self.tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"),
                                          purge_step=start_epoch or None)
-        self.tensorboard.add_text("args", "\n".join(f"    {k}: {v}" for k, v in sorted(args.items())))
+        self.tensorboard.add_text("args", args_table(args))
         print(f"Writing to {self.output_dir} (TensorBoard: tensorboard --logdir {self.output_dir})", flush=True)
 
     def open_metrics(self, start_epoch: int) -> TextIO:
@@ -62,6 +73,15 @@ class RunRecorder:
         metrics_file = open(path, "w")  # noqa: SIM115 - closed in close()
         metrics_file.writelines(line + "\n" for line in kept)
         return metrics_file
+
+    def add_batch_grid(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """Show the first training batch in TensorBoard, un-normalised and captioned with its classes:
+        what the model really sees after cropping and flipping, which is rarely what one imagines."""
+        if not self.enabled:
+            return
+        grid = batch_grid(images, labels, self.class_names)
+        self.tensorboard.add_image("first_training_batch", np.asarray(grid), 0, dataformats="HWC")
+        self.tensorboard.flush()
 
     def end_epoch(self, model: nn.Module, metrics: dict[str, Any], checkpoint: dict[str, Any]) -> None:
         """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, save the weights

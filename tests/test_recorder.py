@@ -1,0 +1,69 @@
+"""What rank 0 writes for TensorBoard, read back with TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from multi_train_utils.distributed_utils import DistContext, single_process
+from multi_train_utils.recorder import RunRecorder
+from utils import IMAGENET_MEAN, IMAGENET_STD
+
+SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
+CLASSES = ["red", "green", "blue"]
+
+
+def read_events(output_dir: Path) -> EventAccumulator:
+    # size_guidance 0: keep every event (the default keeps only a sample of images and scalars).
+    events = EventAccumulator(str(output_dir / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    return events
+
+
+def normalised_batch(colours: list[tuple[int, int, int]], side: int = 16) -> torch.Tensor:
+    """Solid-colour images, normalised as the data loader normalises them."""
+    pixels = torch.tensor(colours, dtype=torch.float32).view(-1, 3, 1, 1).expand(-1, 3, side, side) / 255
+    return (pixels - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+
+
+def epoch_metrics(epoch: int) -> dict:
+    return {"epoch": epoch, "train_loss": 1.0 / (epoch + 1), "val_loss": 1.5 / (epoch + 1), "val_acc": 0.5 + epoch / 10,
+            "val_correct": 5 + epoch, "val_total": 10, "lr": 0.01 / (epoch + 1), "images_per_s": 100.0 + epoch,
+            "epoch_time_s": 3.0, "world_size": 1}
+
+
+def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp_path: Path) -> None:
+    model = nn.Linear(2, 3)
+    with RunRecorder(tmp_path, single_process("cpu"), CLASSES, {"lr": 0.01, "model": "resnet18"}) as recorder:
+        recorder.add_batch_grid(normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]), torch.tensor([0, 1, 2]))
+        for epoch in range(3):
+            recorder.end_epoch(model, epoch_metrics(epoch), {"best_acc": 0.0})
+    events = read_events(tmp_path)
+    assert set(SCALARS) <= set(events.Tags()["scalars"])
+    for name in SCALARS:
+        points = events.Scalars(name)
+        assert [p.step for p in points] == [0, 1, 2], name
+        assert [p.value for p in points] == [torch.tensor(epoch_metrics(e)[name]).item() for e in range(3)], name
+    (grid,) = events.Images("first_training_batch")
+    assert grid.step == 0
+    with Image.open(io.BytesIO(grid.encoded_image_string)) as picture:
+        # Three 128-px tiles in a row, un-normalised: the first tile is red again, the third blue.
+        assert picture.size == (3 * 128, 128 + 14)
+        assert picture.convert("RGB").getpixel((64, 64)) == (255, 0, 0)
+        assert picture.convert("RGB").getpixel((2 * 128 + 64, 64)) == (0, 0, 255)
+    (args_text,) = events.Tensors("args/text_summary")
+    assert "| model | resnet18 |" in args_text.tensor_proto.string_val[0].decode()
+
+
+def test_other_ranks_write_nothing(tmp_path: Path) -> None:
+    rank1 = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"),
+                        distributed=True)
+    with RunRecorder(tmp_path / "run", rank1, CLASSES, {}) as recorder:
+        recorder.add_batch_grid(normalised_batch([(255, 0, 0)]), torch.tensor([0]))
+        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), {"best_acc": 0.0})
+    assert not (tmp_path / "run").exists()
