@@ -1,0 +1,63 @@
+"""plot_runs.py draws the curves of several runs from their metrics.jsonl files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import plot_runs
+
+
+def write_run(folder: Path, world_size: int, accuracies: list[float], torn_last_line: bool = False) -> Path:
+    """A metrics.jsonl as a run writes it; optionally with the half line a killed run leaves."""
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"epoch": epoch, "train_loss": 1.0 - acc / 2, "val_loss": 1.1 - acc / 2, "val_acc": acc,
+                         "val_correct": round(acc * 120), "val_total": 120, "lr": 0.002 * world_size,
+                         "images_per_s": 40.0 * world_size ** 0.5, "epoch_time_s": 12.0 / world_size ** 0.5,
+                         "world_size": world_size})
+             for epoch, acc in enumerate(accuracies)]
+    if torn_last_line:
+        lines.append('{"epoch": 3, "train_lo')
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture
+def two_runs(tmp_path: Path) -> list[str]:
+    return [str(write_run(tmp_path / "single", 1, [0.3, 0.7, 0.9])),
+            str(write_run(tmp_path / "ddp2", 2, [0.25, 0.65, 0.92], torn_last_line=True))]
+
+
+def test_draws_accuracy_loss_and_epoch_time_of_every_run(two_runs: list[str], tmp_path: Path) -> None:
+    written = plot_runs.main([*two_runs, "--out-dir", str(tmp_path / "docs"), "--prefix", "cpu_"])
+    assert [p.name for p in written] == ["cpu_accuracy.png", "cpu_loss.png", "cpu_epoch_time.png"]
+    for path in written:
+        with Image.open(path) as picture:
+            assert picture.format == "PNG" and picture.width > 400
+
+
+def test_each_run_is_one_curve_with_its_process_count(two_runs: list[str]) -> None:
+    runs = [plot_runs.read_run(folder) for folder in two_runs]
+    assert [run.label for run in runs] == ["single (1 process)", "ddp2 (2 processes)"]
+    assert len(runs[1].metrics) == 3, "the half-written last line is skipped"
+    accuracy = plot_runs.plot_accuracy(runs).axes[0]
+    assert [line.get_label() for line in accuracy.lines] == ["single (1 process)", "ddp2 (2 processes)"]
+    assert list(accuracy.lines[1].get_ydata()) == [0.25, 0.65, 0.92]
+    assert len(plot_runs.plot_loss(runs).axes[0].lines) == 4, "train and validation loss of each run"
+    bars = plot_runs.plot_epoch_time(runs).axes[0].patches
+    assert [round(bar.get_height(), 2) for bar in bars] == [12.0, round(12.0 / 2 ** 0.5, 2)]
+
+
+def test_labels_name_the_runs(two_runs: list[str]) -> None:
+    args = plot_runs.parse_args([*two_runs, "--labels", "one", "two"])
+    assert plot_runs.read_run(args.runs[1], args.labels[1]).label == "two"
+    with pytest.raises(SystemExit):
+        plot_runs.parse_args([*two_runs, "--labels", "only one"])
+
+
+def test_a_folder_without_metrics_is_named(tmp_path: Path) -> None:
+    with pytest.raises(plot_runs.RunFolderError, match=r"no metrics\.jsonl"):
+        plot_runs.read_run(tmp_path)
