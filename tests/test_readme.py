@@ -178,6 +178,18 @@ def test_local_links_and_pictures_exist() -> None:
     assert not missing, f"the README links to files that do not exist: {missing}"
 
 
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_within_the_readme_find_their_heading() -> None:
+    prose = re.sub(r"^```.*?^```", "", TEXT, flags=re.DOTALL | re.MULTILINE)  # a "# comment" is no heading
+    anchors = {github_anchor(heading) for heading in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
+    broken = [target for target in re.findall(r"\]\(#([^)\s]+)\)", TEXT) if target not in anchors]
+    assert not broken, f"no heading for these links: {broken}"
+
+
 def test_diffs_show_the_scripts_real_lines() -> None:
     """A ```diff block names its two files in its ---/+++ header; each -, + and context line must be a
     line of the file it belongs to (a line of just '...' stands for lines left out)."""
