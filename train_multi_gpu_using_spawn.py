@@ -21,7 +21,7 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.spawn_utils import processes_to_start, spawn_workers
-from multi_train_utils.train_eval_utils import build_optimizer, fit
+from multi_train_utils.train_eval_utils import StepOptions, build_optimizer, fit
 
 
 def main(args: argparse.Namespace) -> None:
@@ -47,17 +47,19 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
     # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
-    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers).to(ctx.device)
-    model = wrap_ddp(model, ctx, args.syncBN)
-    # One step now learns from world_size x --batch-size images, so it may take a proportionally larger
-    # step (the linear scaling rule, Goyal et al. 2017).
-    lr = args.lr * ctx.world_size
-    print_main(f"lr {args.lr} x {ctx.world_size} process(es) = {lr:g}")
+    options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers)
+    model = model.to(ctx.device, memory_format=options.memory_format)
+    model = wrap_ddp(model, ctx, args.syncBN, args.compile, args.bucket_cap_mb, args.comm_hook)
+    # One step now learns from world_size x accum_steps x --batch-size images, so it may take a
+    # proportionally larger step (the linear scaling rule, Goyal et al. 2017).
+    lr = args.lr * ctx.world_size * args.accum_steps
+    print_main(f"lr {args.lr} x {ctx.world_size} process(es) x {args.accum_steps} accumulated batch(es) = {lr:g}")
     optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs)
-    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler)
+    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options.scaler)
     with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
-            start_epoch, best_acc)
+            start_epoch, best_acc, options)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ The two multi-process scripts are this recipe plus what DDP adds; diff them agai
 
 import argparse
 
+import torch
+
 from model import build_model
 from multi_train_utils.checkpoint import resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.train_eval_utils import build_optimizer, fit
+from multi_train_utils.train_eval_utils import StepOptions, build_optimizer, fit
 
 
 def main(args: argparse.Namespace) -> None:
@@ -23,12 +25,18 @@ def main(args: argparse.Namespace) -> None:
     seed_everything(args.seed)
     data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
-    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers).to(ctx.device)
-    optimizer, scheduler = build_optimizer(model, args.lr, args.epochs, args.lrf, args.warmup_epochs)
-    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler)
+    options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers)
+    model = model.to(ctx.device, memory_format=options.memory_format)
+    if args.compile:
+        model = torch.compile(model)
+    # Each optimizer step now learns from accum_steps batches (see the multi-process scripts for why).
+    optimizer, scheduler = build_optimizer(model, args.lr * args.accum_steps, args.epochs, args.lrf,
+                                           args.warmup_epochs)
+    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options.scaler)
     with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
-            start_epoch, best_acc)
+            start_epoch, best_acc, options)
 
 
 if __name__ == "__main__":

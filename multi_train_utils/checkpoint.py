@@ -59,13 +59,15 @@ def gather_rng_states() -> list[dict[str, Any]]:
 
 def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
-                    rng_states: list[dict[str, Any]], args: dict[str, Any]) -> dict[str, Any]:
-    """All it takes to continue after `epoch`: weights, optimizer and schedule, the best accuracy so far,
-    the random states of every rank, and the arguments (to check that a resumed run is the same run)."""
+                    rng_states: list[dict[str, Any]], args: dict[str, Any],
+                    scaler: torch.amp.GradScaler | None = None) -> dict[str, Any]:
+    """All it takes to continue after `epoch`: weights, optimizer and schedule, the fp16 loss scale, the
+    best accuracy so far, the random states of every rank, and the arguments (to check that a resumed run
+    is the same run)."""
     return {
         "model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "epoch": epoch, "best_acc": best_acc, "rng": rng_states,
-        "args": args,
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+        "epoch": epoch, "best_acc": best_acc, "rng": rng_states, "args": args,
     }
 
 
@@ -119,7 +121,8 @@ def broadcast_from_main(obj: object) -> object:
 
 
 def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext, model: nn.Module,
-           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[int, float]:
+           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+           scaler: torch.amp.GradScaler | None = None) -> tuple[int, float]:
     """Load the checkpoint to continue from, if any; return (first epoch to run, best accuracy so far)."""
     found: tuple[str, Any] | None = None
     if ctx.is_main:
@@ -142,6 +145,8 @@ def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistCont
         raise UserInputError(f"--resume {path}: saved from --model {saved.get('model')} on data with other "
                              f"classes or another model; it does not fit ({str(err).splitlines()[0]})") from None
     scheduler.load_state_dict(checkpoint["scheduler"])
+    if scaler and checkpoint.get("scaler"):
+        scaler.load_state_dict(checkpoint["scaler"])
     states = checkpoint["rng"]
     if len(states) == ctx.world_size:
         set_rng_state(states[ctx.rank])

@@ -8,7 +8,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn
 
+from .distributed_utils import COMM_HOOKS
 from .errors import Terminated, UserInputError, raise_on_sigterm, report
+from .train_eval_utils import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
 
@@ -87,6 +89,20 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
     if launcher != "single":
         add("--syncBN", type=str2bool, nargs="?", const=True, default=False,
             help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only; true/false)")
+    add("--amp", nargs="?", const="auto", default="off", choices=AMP_CHOICES,
+        help="mixed precision: bf16 or fp16 autocast (fp16 with loss scaling, CUDA only); auto or the bare "
+             "flag: bf16 where the device has it, else fp16")
+    add("--channels-last", type=str2bool, nargs="?", const=True, default=False,
+        help="channels-last (NHWC) memory format for the model and the images (true/false)")
+    add("--compile", type=str2bool, nargs="?", const=True, default=False,
+        help="torch.compile the model (minutes of compiling first; true/false)")
+    add("--accum-steps", type=at_least(1), default=1,
+        help="batches whose gradients add up before each optimizer step (the lr is multiplied by it too)")
+    if launcher != "single":
+        add("--bucket-cap-mb", type=positive_float, default=25.0,
+            help="size of DDP's gradient buckets: each bucket is all-reduced as soon as its gradients are ready")
+        add("--comm-hook", default="none", choices=COMM_HOOKS,
+            help="send the gradients as 16-bit numbers (half the bytes per all-reduce)")
     add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     add("--workers", type=at_least(0), default=None, help="data-loader processes per training process "
         "(default: a few on GPU machines, none on small CPUs)")

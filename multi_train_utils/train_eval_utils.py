@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import math
 import sys
 import time
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -39,9 +42,68 @@ class EvalResult:
         return self.correct / self.total if self.total else 0.0
 
 
+AMP_CHOICES = ("off", "auto", "bf16", "fp16")
+
+
+def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The dtype of --amp on `device`, or None for full float32. auto: bf16 on CPUs and on GPUs that
+    have it (no loss scaling needed), fp16 on older GPUs."""
+    if amp == "off":
+        return None
+    on_cuda = device.type == "cuda"
+    if amp == "auto":
+        return torch.bfloat16 if not on_cuda or torch.cuda.is_bf16_supported() else torch.float16
+    if amp == "fp16" and not on_cuda:
+        raise UserInputError("--amp fp16: float16 autocast needs a CUDA GPU; on the CPU use --amp bf16")
+    if amp == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+        raise UserInputError("--amp bf16: this GPU has no bfloat16; use --amp fp16")
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+@dataclass
+class StepOptions:
+    """How each step runs. The defaults are the plain loop: float32, default memory format, one
+    optimizer step per batch."""
+
+    device_type: str = "cpu"
+    amp_dtype: torch.dtype | None = None
+    channels_last: bool = False
+    accum_steps: int = 1
+    # float16 gradients underflow to zero without loss scaling; bfloat16 has float32's range and needs none.
+    scaler: torch.amp.GradScaler | None = None
+    # False only for the benchmark's no-communication bound: DDP never all-reduces the gradients.
+    sync_gradients: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, device: torch.device) -> StepOptions:
+        dtype = autocast_dtype(args.amp, device)
+        scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        return cls(device.type, dtype, args.channels_last, args.accum_steps, scaler)
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        # NHWC: what tensor cores and oneDNN's fastest convolutions read.
+        return torch.channels_last if self.channels_last else torch.preserve_format
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def no_sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """DDP's no_sync around the micro-steps whose gradients only accumulate: the all-reduce then
+        runs once, in the backward of the last micro-step, instead of once per micro-step."""
+        skip = not self.sync_gradients or not last_micro_step
+        return model.no_sync() if skip and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                    device: torch.device, epoch: int) -> float:
-    """Train on this process's share of one epoch; return the mean loss over all processes' images."""
+                    device: torch.device, epoch: int, options: StepOptions | None = None,
+                    on_first_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> float:
+    """Train on this process's share of one epoch; return the mean loss over all processes' images.
+
+    With options.accum_steps K, the gradients of K batches are added up before each optimizer step: K
+    batches of b images take the same step as one batch of K*b (BatchNorm statistics aside).
+    """
+    options = options or StepOptions(device.type)
     model.train()
     loss_function = nn.CrossEntropyLoss()
     # Summed on the device and read only every LOG_EVERY steps: reading them every step would make the
@@ -49,16 +111,33 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     loss_sum = torch.zeros((), device=device)
     non_finite = torch.zeros((), device=device)
     images_seen = 0
+    batches = len(data_loader)
+    optimizer.zero_grad(set_to_none=True)
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
                     dynamic_ncols=True)
     for step, (images, labels) in enumerate(progress):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        loss = loss_function(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        # Each process's loss is its own; DDP averages the gradients across processes inside backward().
-        loss.backward()
-        optimizer.step()
-        loss_sum += loss.detach() * labels.size(0)
+        if step == 0 and on_first_batch is not None:
+            on_first_batch(images, labels)
+        images = images.to(device, non_blocking=True, memory_format=options.memory_format)
+        labels = labels.to(device, non_blocking=True)
+        # The last group of an epoch may hold fewer than K batches; each batch weighs 1/(its group's size).
+        group_start = step - step % options.accum_steps
+        group_size = min(options.accum_steps, batches - group_start)
+        last_micro_step = step == group_start + group_size - 1
+        with options.no_sync(model, last_micro_step):
+            with options.autocast():
+                loss = loss_function(model(images), labels)
+            # Each process's loss is its own; DDP averages the gradients across processes inside backward().
+            scaled = loss / group_size
+            (options.scaler.scale(scaled) if options.scaler else scaled).backward()
+        if last_micro_step:
+            if options.scaler:
+                options.scaler.step(optimizer)  # skips the step if the fp16 gradients overflowed
+                options.scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach().float() * labels.size(0)
         non_finite += ~torch.isfinite(loss.detach())
         images_seen += labels.size(0)
         if (step + 1) % LOG_EVERY == 0:
@@ -84,19 +163,23 @@ def stop_if_diverged(non_finite: torch.Tensor, epoch: int, step: int) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device) -> EvalResult:
+def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
+             options: StepOptions | None = None) -> EvalResult:
     """Correct count, image count and mean loss over the whole validation set, summed over processes.
 
     Each process evaluates its own unpadded share with the plain model (not DDP, so ranks with one batch
     more or less never wait for each other); one all-reduce then adds the three sums.
     """
-    model = unwrap_model(model)
+    options = options or StepOptions(device.type)
+    model = unwrap_model(model)  # uncompiled too: evaluating does not pay for a second compilation
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, total, summed loss
     for images, labels in tqdm(data_loader, desc="validate", file=sys.stdout, disable=not is_main_process(),
                                leave=False, dynamic_ncols=True):
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(images)
+        images = images.to(device, non_blocking=True, memory_format=options.memory_format)
+        labels = labels.to(device, non_blocking=True)
+        with options.autocast():
+            logits = model(images)
         sums[0] += (logits.argmax(dim=1) == labels).sum()
         sums[1] += labels.numel()
         sums[2] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
@@ -128,22 +211,25 @@ def build_optimizer(model: nn.Module, lr: float, epochs: int, lrf: float = 0.1, 
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
         train_loader: DataLoader, val_loader: DataLoader, recorder: RunRecorder, epochs: int,
-        device: torch.device, start_epoch: int = 0, best_acc: float = 0.0) -> EvalResult:
+        device: torch.device, start_epoch: int = 0, best_acc: float = 0.0, options: StepOptions | None = None,
+        ) -> EvalResult:
     """Train and validate epochs start_epoch..epochs-1, handing each epoch's figures and checkpoint to
     `recorder`; returns the last validation result."""
+    options = options or StepOptions(device.type)
     result = EvalResult(0, 0, float("nan"))
     for epoch in range(start_epoch, epochs):
         # A new shuffle every epoch; without set_epoch every epoch repeats the first epoch's order.
         train_loader.sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]  # read before scheduler.step(): the lr this epoch trains with
         started = time.perf_counter()
-        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch)
+        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options)
         train_time = time.perf_counter() - started
-        result = evaluate(model, val_loader, device)
+        result = evaluate(model, val_loader, device, options)
         scheduler.step()
         images = len(train_loader) * train_loader.batch_size * get_world_size()
         best_acc = max(best_acc, result.accuracy)
-        checkpoint = make_checkpoint(model, optimizer, scheduler, epoch, best_acc, gather_rng_states(), recorder.args)
+        checkpoint = make_checkpoint(model, optimizer, scheduler, epoch, best_acc, gather_rng_states(), recorder.args,
+                                     options.scaler)
         recorder.end_epoch(model, {
             "epoch": epoch, "train_loss": train_loss, "val_loss": result.loss, "val_acc": result.accuracy,
             "val_correct": result.correct, "val_total": result.total, "lr": lr,

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from multi_train_utils.data import UnpaddedDistributedSampler
-from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, wrap_ddp
-from multi_train_utils.train_eval_utils import build_optimizer, evaluate, train_one_epoch
+from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, unwrap_model, wrap_ddp
+from multi_train_utils.train_eval_utils import StepOptions, build_optimizer, evaluate, train_one_epoch
 
 EPOCHS = 3
 
@@ -29,27 +31,59 @@ def fixed_data(count: int) -> TensorDataset:
                          torch.randint(0, 3, (count,), generator=generator))
 
 
-def train_fixed_order(ctx: DistContext, batch_size: int, samples: int, sync_bn: bool = False) -> nn.Module:
+def count_all_reduces(model: nn.Module) -> list[int]:
+    """Make DDP count the gradient all-reduces it runs; returns the one-element counter."""
+    calls = [0]
+
+    # No annotations: DDP checks them, and `from __future__ import annotations` turns them into strings.
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_hook)
+    return calls
+
+
+def train_fixed_order(ctx: DistContext, batch_size: int, samples: int, sync_bn: bool = False,
+                      options: StepOptions | None = None, comm_hook: str = "none") -> tuple[nn.Module, int]:
     """Train with the engine's own loop on samples dealt in a fixed order: step k of rank r takes
     indices r, r+N, r+2N, ... of block k, so the N ranks together see exactly what one process with
-    batch N*b sees in its step k."""
+    batch N*b sees in its step k (and with K accumulated batches, what it sees in K of its steps).
+    Returns the plain model and the number of gradient all-reduces DDP ran (counted without a hook)."""
     dataset = fixed_data(samples)
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    model = wrap_ddp(small_net(batchnorm=sync_bn).to(ctx.device), ctx, sync_bn=sync_bn)
+    model = wrap_ddp(small_net(batchnorm=sync_bn).to(ctx.device), ctx, sync_bn=sync_bn, comm_hook=comm_hook)
+    all_reduces = count_all_reduces(model) if ctx.distributed and comm_hook == "none" else [0]
     optimizer, scheduler = build_optimizer(model, lr=0.05, epochs=EPOCHS)
     for epoch in range(EPOCHS):
-        train_one_epoch(model, optimizer, loader, ctx.device, epoch)
+        train_one_epoch(model, optimizer, loader, ctx.device, epoch, options)
         scheduler.step()
-    return model.module if ctx.distributed else model
+    return unwrap_model(model), all_reduces[0]
 
 
-def equal_weights_worker(rank: int, world_size: int, batch_size: int, samples: int, out: str,
-                         device: str = "cpu", sync_bn: bool = False) -> None:
+@dataclass(frozen=True)
+class Case:
+    """One way to train the small net in the equal-weights worker."""
+
+    batch_size: int = 4
+    accum_steps: int = 1
+    comm_hook: str = "none"
+    sync_gradients: bool = True
+    sync_bn: bool = False
+
+
+def equal_weights_worker(rank: int, world_size: int, samples: int, out: str, cases: dict[str, Case],
+                         device: str = "cpu") -> None:
+    """Train each case in turn in one process group (one start-up for them all); save rank{r}_{name}.pth."""
     ctx = init_distributed_mode(device, spawn_rank=rank, spawn_world_size=world_size)
     try:
-        model = train_fixed_order(ctx, batch_size, samples, sync_bn)
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, Path(out) / f"rank{rank}.pth")
+        for name, case in cases.items():
+            options = StepOptions(ctx.device.type, accum_steps=case.accum_steps, sync_gradients=case.sync_gradients)
+            model, all_reduces = train_fixed_order(ctx, case.batch_size, samples, case.sync_bn, options,
+                                                   case.comm_hook)
+            torch.save({"weights": {k: v.cpu() for k, v in model.state_dict().items()}, "all_reduces": all_reduces},
+                       Path(out) / f"rank{rank}_{name}.pth")
     finally:
         cleanup()
 

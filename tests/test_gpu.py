@@ -24,11 +24,12 @@ def test_two_gpus_with_syncbn_equal_one_gpu_with_the_whole_batch(tmp_path: Path,
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     batch, samples = 4, 32
-    mp.spawn(ddp_workers.equal_weights_worker, args=(2, batch, samples, str(tmp_path), "cuda", True), nprocs=2)
-    rank0 = torch.load(tmp_path / "rank0.pth", weights_only=True)
+    cases = {"syncbn": ddp_workers.Case(batch_size=batch, sync_bn=True)}
+    mp.spawn(ddp_workers.equal_weights_worker, args=(2, samples, str(tmp_path), cases, "cuda"), nprocs=2)
+    rank0 = torch.load(tmp_path / "rank0_syncbn.pth", weights_only=True)["weights"]
     # One GPU with plain BatchNorm over the whole batch is what SyncBatchNorm over two halves reproduces.
-    single = ddp_workers.train_fixed_order(single_process("cuda"), 2 * batch, samples, sync_bn=True).state_dict()
-    for name, weight in single.items():
+    single, _ = ddp_workers.train_fixed_order(single_process("cuda"), 2 * batch, samples, sync_bn=True)
+    for name, weight in single.state_dict().items():
         assert torch.allclose(rank0[name], weight.cpu(), atol=1e-5, rtol=1e-4), name
 
 
@@ -52,3 +53,28 @@ def test_single_gpu_run(tmp_path: Path) -> None:
                   "--output-dir", str(tmp_path / "out"), *GPU_FLAGS])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "on cuda:0" in result.stdout
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_fp16_channels_last_compiled_run_keeps_its_loss_scale_across_a_resume(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
+    out = tmp_path / "out"
+    speed = ["--amp", "fp16", "--channels-last", "--compile"]
+    for epochs in ("1", "2"):
+        result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(data), "--output-dir", str(out),
+                      *GPU_FLAGS, *speed, "--epochs", epochs, "--resume", "auto"], timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert saved["epoch"] == 1 and saved["scaler"]["scale"] > 0
+    assert not any(key.startswith(("_orig_mod.", "module.")) for key in saved["model"])
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_torchrun_on_nccl_with_every_speed_option(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
+    result = run([*torchrun(), "--standalone", f"--nproc_per_node={min(GPUS, 2)}",
+                  str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data),
+                  "--output-dir", str(tmp_path / "out"), *GPU_FLAGS, "--amp", "--channels-last", "--compile",
+                  "--accum-steps", "2", "--comm-hook", "bf16"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["val_total"] == 6

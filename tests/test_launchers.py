@@ -48,7 +48,7 @@ def test_torchrun_two_processes(odd_folder: Path, tmp_path: Path) -> None:
     result = run(cmd)
     finished(result, tmp_path, world_size=2)
     assert result.stdout.count("[epoch 0] train_loss") == 1, "only rank 0 reports"
-    assert "lr 0.01 x 2 process(es) = 0.02" in result.stdout
+    assert "lr 0.01 x 2 process(es) x 1 accumulated batch(es) = 0.02" in result.stdout
     assert result.stdout.count("--syncBN: switched off, because PyTorch's SyncBatchNorm only runs on CUDA") == 1
 
 
@@ -59,10 +59,12 @@ def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> No
     finished(run(cmd), tmp_path, world_size=2)
 
 
-def test_spawn_two_processes(odd_folder: Path, tmp_path: Path) -> None:
-    result = run([python(), SPAWN, "--world-size", "2", *flags(odd_folder, tmp_path)])
+def test_spawn_two_processes_with_the_speed_flags(odd_folder: Path, tmp_path: Path) -> None:
+    speed = ["--amp", "--channels-last", "--accum-steps", "2", "--comm-hook", "bf16", "--bucket-cap-mb", "5"]
+    result = run([python(), SPAWN, "--world-size", "2", *flags(odd_folder, tmp_path), *speed])
     finished(result, tmp_path, world_size=2)
     assert "(spawn, gloo): rank 1/2" in result.stdout
+    assert "lr 0.01 x 2 process(es) x 2 accumulated batch(es) = 0.04" in result.stdout
 
 
 def test_two_torchrun_agents_as_two_nodes(odd_folder: Path, tmp_path: Path) -> None:

@@ -20,27 +20,38 @@ if any(f"{name}_RANK" in os.environ for name in ("FAIL", "HANG", "KILL", "NAN"))
         rank = os.environ.get(f"{name}_RANK")
         return rank is not None and get_rank() == int(rank) and epoch == int(os.environ.get(f"{name}_EPOCH", epoch))
 
-    def _killed_after_one_step(loader):
-        for step, batch in enumerate(loader):
-            if step == 1:
-                os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, as the kernel's OOM killer would do
-            yield batch
+    class _Altered:
+        """The loader's batches through `alter(step, batch)`, with the loader's length (the loop reads it)."""
 
-    def _poisoned(loader):
-        for step, (images, labels) in enumerate(loader):
-            yield (images * float("nan") if step == 1 else images), labels
+        def __init__(self, loader, alter):
+            self.loader, self.alter = loader, alter
+
+        def __len__(self):
+            return len(self.loader)
+
+        def __iter__(self):
+            return (self.alter(step, batch) for step, batch in enumerate(self.loader))
+
+    def _kill_at_step_1(step, batch):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up, as the kernel's OOM killer would do
+        return batch
+
+    def _nan_at_step_1(step, batch):
+        images, labels = batch
+        return (images * float("nan") if step == 1 else images), labels
 
     _train_one_epoch = engine.train_one_epoch
 
-    def _faulty_train_one_epoch(model, optimizer, data_loader, device, epoch):
+    def _faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *rest):
         if _strikes("FAIL", epoch):
             raise RuntimeError(f"failure injected on rank {get_rank()}")
         if _strikes("HANG", epoch):
             time.sleep(600)
         if _strikes("KILL", epoch) and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
-            data_loader = _killed_after_one_step(data_loader)
+            data_loader = _Altered(data_loader, _kill_at_step_1)
         if _strikes("NAN", epoch):
-            data_loader = _poisoned(data_loader)
-        return _train_one_epoch(model, optimizer, data_loader, device, epoch)
+            data_loader = _Altered(data_loader, _nan_at_step_1)
+        return _train_one_epoch(model, optimizer, data_loader, device, epoch, *rest)
 
     engine.train_one_epoch = _faulty_train_one_epoch

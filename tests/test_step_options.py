@@ -1,0 +1,118 @@
+"""The opt-in speed settings of the loop: mixed precision, channels-last, torch.compile, and the flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ddp_workers
+import pytest
+import torch
+from torch import nn
+
+import train_single_gpu
+from conftest import TINY_FLAGS, make_image_folder
+from multi_train_utils import checkpoint
+from multi_train_utils.cli import parse_args
+from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
+from multi_train_utils.errors import UserInputError
+from multi_train_utils.train_eval_utils import StepOptions, autocast_dtype, evaluate, train_one_epoch
+
+
+def record_conv_io(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, output) of the first convolution of every forward pass."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    conv = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+    conv.register_forward_hook(lambda _module, inputs, output: seen.append((inputs[0], output)))
+    return seen
+
+
+def one_epoch(options: StepOptions, model: nn.Module | None = None) -> tuple[nn.Module, float]:
+    model = model or ddp_workers.small_net()
+    model = model.to(memory_format=options.memory_format)
+    optimizer, _ = ddp_workers.build_optimizer(model, lr=0.05, epochs=1)
+    loader = torch.utils.data.DataLoader(ddp_workers.fixed_data(16), batch_size=4)
+    return model, train_one_epoch(model, optimizer, loader, torch.device("cpu"), 0, options)
+
+
+def test_bf16_autocast_on_cpu_runs_the_convolutions_in_bf16_and_trains() -> None:
+    model = ddp_workers.small_net()
+    seen = record_conv_io(model)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    model, loss = one_epoch(StepOptions("cpu", amp_dtype=torch.bfloat16), model)
+    assert {output.dtype for _, output in seen} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the weights stay float32"
+    assert torch.isfinite(torch.tensor(loss))
+    assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())
+
+
+def test_channels_last_reaches_the_weights_and_the_images() -> None:
+    model = ddp_workers.small_net()
+    seen = record_conv_io(model)
+    model, _ = one_epoch(StepOptions("cpu", channels_last=True), model)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in seen)
+    result = evaluate(model, torch.utils.data.DataLoader(ddp_workers.fixed_data(8), batch_size=4),
+                      torch.device("cpu"), StepOptions("cpu", channels_last=True))
+    assert result.total == 8
+
+
+@pytest.mark.parametrize(("amp", "expected"), [("off", None), ("auto", torch.bfloat16), ("bf16", torch.bfloat16)])
+def test_amp_choices_on_cpu(amp: str, expected: torch.dtype | None) -> None:
+    assert autocast_dtype(amp, torch.device("cpu")) == expected
+
+
+def test_fp16_on_cpu_is_refused_naming_the_flag() -> None:
+    with pytest.raises(UserInputError, match=r"^--amp fp16: .*--amp bf16"):
+        autocast_dtype("fp16", torch.device("cpu"))
+
+
+def test_options_from_the_command_line() -> None:
+    args = parse_args("launch", ["--amp", "--channels-last", "--accum-steps", "3", "--comm-hook", "bf16",
+                                 "--bucket-cap-mb", "50"])
+    options = StepOptions.from_args(args, torch.device("cpu"))
+    assert (options.amp_dtype, options.channels_last, options.accum_steps, options.scaler) == (
+        torch.bfloat16, True, 3, None)
+    assert (args.comm_hook, args.bucket_cap_mb) == ("bf16", 50.0)
+    plain = StepOptions.from_args(parse_args("single", []), torch.device("cpu"))
+    assert (plain.amp_dtype, plain.channels_last, plain.accum_steps) == (None, False, 1)
+
+
+def test_the_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
+    """fp16 runs keep GradScaler's scale in the checkpoint; a resumed run must not start from 65536 again."""
+    model = ddp_workers.small_net()
+    optimizer, scheduler = ddp_workers.build_optimizer(model, lr=0.05, epochs=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
+    scaler.update(new_scale=256.0)
+    saved = checkpoint.make_checkpoint(model, optimizer, scheduler, 0, 0.5, checkpoint.gather_rng_states(),
+                                       {"model": "small"}, scaler)
+    checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
+    restored = torch.amp.GradScaler("cpu")
+    start_epoch, _ = checkpoint.resume("auto", tmp_path, single_process("cpu"), model, optimizer, scheduler, restored)
+    assert start_epoch == 1 and restored.get_scale() == 256.0
+
+
+def test_a_compiled_model_saves_without_the_compile_prefix() -> None:
+    """torch.compile compiles at the first forward pass (a minute on a small CPU: that part is a GPU test)."""
+    model = wrap_ddp(ddp_workers.small_net(), single_process("cpu"), compile_model=True)
+    assert "_orig_mod.0.weight" in model.state_dict()
+    assert set(unwrap_model(model).state_dict()) == set(ddp_workers.small_net().state_dict())
+
+
+def test_the_speed_flags_train_a_whole_run(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {"red": 12, "green": 12, "blue": 12})
+    out = tmp_path / "run"
+    args = parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                                 "--amp", "bf16", "--channels-last", "--accum-steps", "2", "--lr", "0.01"])
+    train_single_gpu.main(args)
+    metrics = json.loads((out / "metrics.jsonl").read_text())
+    assert metrics["lr"] == pytest.approx(0.02), "the lr grows with the accumulated batch"
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["args"]["amp"] == "bf16"
+
+
+def test_bad_speed_flags_are_one_line_errors() -> None:
+    for argv in (["--amp", "fp8"], ["--accum-steps", "0"], ["--comm-hook", "int8"]):
+        with pytest.raises(SystemExit) as stop:
+            parse_args("launch", argv)
+        assert stop.value.code == 2
