@@ -222,7 +222,9 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
         train_loader.sampler.set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]  # read before scheduler.step(): the lr this epoch trains with
         started = time.perf_counter()
-        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options)
+        # The first batch as TensorBoard shows it: what the model really sees after augmentation.
+        show_batch = recorder.add_batch_grid if epoch == 0 else None
+        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options, show_batch)
         train_time = time.perf_counter() - started
         result = evaluate(model, val_loader, device, options)
         scheduler.step()

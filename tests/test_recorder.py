@@ -10,6 +10,9 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
+import train_single_gpu
+from conftest import TINY_FLAGS
+from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import DistContext, single_process
 from multi_train_utils.recorder import RunRecorder
 from utils import IMAGENET_MEAN, IMAGENET_STD
@@ -67,3 +70,16 @@ def test_other_ranks_write_nothing(tmp_path: Path) -> None:
         recorder.add_batch_grid(normalised_batch([(255, 0, 0)]), torch.tensor([0]))
         recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), {"best_acc": 0.0})
     assert not (tmp_path / "run").exists()
+
+
+def test_a_real_run_shows_every_scalar_per_epoch_and_its_first_batch(image_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train_single_gpu.main(parse_args("single", ["--data-path", str(image_folder), "--output-dir", str(out),
+                                                *TINY_FLAGS, "--epochs", "2"]))
+    events = read_events(out)
+    for name in SCALARS:
+        assert [p.step for p in events.Scalars(name)] == [0, 1], name
+    (grid,) = events.Images("first_training_batch")
+    assert grid.step == 0
+    with Image.open(io.BytesIO(grid.encoded_image_string)) as picture:
+        assert picture.size == (4 * 128, 128 + 14), "the whole first batch of 4, one row"
