@@ -52,7 +52,7 @@ def port_was_taken(err: BaseException) -> bool:
     return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
 
 
-def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> None:
+def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, start_method: str = "spawn") -> None:
     """Start `world_size` processes running worker(rank, world_size, args) and wait for all of them.
 
     The processes meet on MASTER_ADDR:MASTER_PORT. Unless those are set, that is a free port on
@@ -66,7 +66,7 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace) -> 
         if port_is_ours:
             os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
         context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
-                                     start_method="spawn")
+                                     start_method=start_method)
         try:
             # join() returns True when all are done, and raises when one fails, after stopping the rest:
             # SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later.

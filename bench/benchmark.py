@@ -1,0 +1,351 @@
+"""How fast does the engine train, in one process and in N, and what holds N processes back?
+
+    python bench/benchmark.py                                   # about 3 minutes on a 2-core CPU
+    python bench/benchmark.py --model resnet34 --image-size 128 --batch-size 16 --nproc 2
+    python bench/benchmark.py --device cuda --image-size 224 --amp bf16 --channels-last
+
+Every figure comes from the real engine (`train_one_epoch`, the real DDP wrapper, the real data
+pipeline), timed over --steps batches after --warmup-steps, each configuration in fresh processes:
+
+  single  one process using every core (or one GPU)
+  ddp     --nproc DDP processes, the cores split between them
+  nosync  the same N processes with DDP's no_sync on every step: nothing is all-reduced, so this is
+          what N processes would reach if communication were free
+
+each on (a) synthetic tensors already in memory and (b) an image folder through the real loader. Then
+the time from launch to the first finished step, for torchrun and for spawn. The last line of stdout is
+one JSON object with every figure; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run as `python bench/benchmark.py` from anywhere; the imports below need it
+
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+from demo_data import DEFAULT_ROOT as DEMO_ROOT
+from demo_data import ensure_demo_dataset
+from model import build_model
+from multi_train_utils.cli import OneLineErrorParser, at_least, one_line, positive_float, str2bool
+from multi_train_utils.data import build_loaders, load_datasets
+from multi_train_utils.distributed_utils import (
+    COMM_HOOKS,
+    DistContext,
+    barrier,
+    cleanup,
+    cpu_threads_per_process,
+    init_distributed_mode,
+    single_process,
+    wrap_ddp,
+)
+from multi_train_utils.errors import UserInputError, report
+from multi_train_utils.spawn_utils import spawn_workers
+from multi_train_utils.train_eval_utils import AMP_CHOICES, StepOptions, build_optimizer, train_one_epoch
+
+PHOTOS_ROOT = REPO / "data" / "bench_photos"
+PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's flower_photos
+MODES = ("single", "ddp", "nosync")
+SOURCES = ("synthetic", "folder")
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = parser.add_argument
+    add("--nproc", type=at_least(2), default=2, help="DDP processes to compare with one process")
+    add("--device", choices=("cpu", "cuda"), default="cpu")
+    add("--model", default="resnet34")
+    add("--image-size", type=at_least(16), default=64)
+    add("--batch-size", type=at_least(1), default=16, help="images per batch in each process")
+    add("--steps", type=at_least(1), default=6, help="timed batches per process")
+    add("--warmup-steps", type=at_least(0), default=2, help="batches before the clock starts")
+    add("--repeats", type=at_least(1), default=3, help="times the --steps are timed; the median counts")
+    add("--data-path", default=None, help="image folder for (b); default: the demo data at photo size, "
+        f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEGs, written once to {PHOTOS_ROOT.relative_to(REPO)}")
+    add("--workers", type=at_least(0), default=None, help="data-loader processes per process (default: the "
+        "training scripts' default)")
+    add("--amp", default="off", choices=AMP_CHOICES)
+    add("--channels-last", type=str2bool, nargs="?", const=True, default=False)
+    add("--accum-steps", type=at_least(1), default=1, help="batches per optimizer step (and per all-reduce)")
+    add("--bucket-cap-mb", type=positive_float, default=25.0)
+    add("--comm-hook", default="none", choices=COMM_HOOKS)
+    add("--skip-launch", action="store_true", help="do not measure the time to the first step")
+    add("--output", default=None, help="also write the JSON, indented, to this file")
+    # Internal: the time-to-first-step probe runs this file again, under torchrun or as a spawn parent.
+    add("--probe", choices=("torchrun", "spawn"), default=None, help=argparse.SUPPRESS)
+    add("--probe-dir", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+class Batches:
+    """`count` batches from `loader`, going on into further epochs if one epoch holds fewer."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader, count: int) -> None:
+        self.loader, self.count = loader, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator:
+        given, epoch = 0, 0
+        while given < self.count:
+            if hasattr(self.loader.sampler, "set_epoch"):
+                self.loader.sampler.set_epoch(epoch)
+            for batch in self.loader:
+                yield batch
+                given += 1
+                if given == self.count:
+                    return
+            epoch += 1
+
+
+def ensure_photo_folder(root: Path = PHOTOS_ROOT) -> Path:
+    """The demo pictures enlarged to photo size and saved as JPEGs, so that decoding and resizing cost
+    what they cost on photographs, not on 64-pixel tiles."""
+    if (root / ".complete").is_file():
+        return root
+    ensure_demo_dataset(DEMO_ROOT)
+    for source in sorted(DEMO_ROOT.glob("*/*")):
+        target = root / source.parent.name / (source.stem + ".jpg")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(source) as image:
+            image.convert("RGB").resize(PHOTO_SIZE, Image.BICUBIC).save(target, quality=90)
+    (root / ".complete").touch()
+    return root
+
+
+def synthetic_loader(args: argparse.Namespace, ctx: DistContext, num_classes: int) -> list:
+    """One batch made once and handed out every step: no decoding, no copying, nothing to wait for."""
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    labels = torch.randint(0, num_classes, (args.batch_size,))
+    if ctx.device.type == "cuda":
+        images, labels = images.pin_memory(), labels.pin_memory()
+    return [(images, labels)] * (args.warmup_steps + args.steps)
+
+
+def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """Train --warmup-steps then --steps batches in one configuration; write this rank's figures."""
+    if args.mode == "single":
+        ctx = single_process(args.device)
+        if ctx.device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_process(1))
+    else:
+        ctx = init_distributed_mode(args.device, spawn_rank=rank, spawn_world_size=world_size)
+    try:
+        torch.manual_seed(rank)
+        if args.source == "folder":
+            data = load_datasets(args.data_path, args.image_size, ctx)
+            num_classes = data.num_classes
+            loader, _ = build_loaders(data, args.batch_size, ctx, args.workers)
+            warmup, timed = Batches(loader, args.warmup_steps), Batches(loader, args.steps)
+        else:
+            num_classes = 5
+            batches = synthetic_loader(args, ctx, num_classes)
+            warmup, timed = batches[:args.warmup_steps], batches[args.warmup_steps:]
+        options = StepOptions.from_args(args, ctx.device)
+        options.sync_gradients = args.mode != "nosync"
+        model = build_model(args.model, num_classes).to(ctx.device, memory_format=options.memory_format)
+        model = wrap_ddp(model, ctx, bucket_cap_mb=args.bucket_cap_mb, comm_hook=args.comm_hook)
+        optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
+        if warmup:
+            train_one_epoch(model, optimizer, warmup, ctx.device, epoch=0, options=options)
+        seconds = []
+        for repeat in range(args.repeats):
+            synchronize(ctx)
+            started = time.perf_counter()
+            train_one_epoch(model, optimizer, timed, ctx.device, epoch=1 + repeat, options=options)
+            synchronize(ctx)
+            seconds.append(time.perf_counter() - started)
+        figures = {"seconds": seconds, "images": args.steps * args.batch_size, "peak_memory_mb": peak_memory_mb(ctx)}
+        if args.mode == "ddp":
+            figures["allreduce_s"] = time_all_reduce(model, args.comm_hook)
+        (Path(args.result_dir) / f"{args.mode}_{args.source}_rank{rank}.json").write_text(json.dumps(figures))
+    finally:
+        cleanup()
+
+
+def synchronize(ctx: DistContext) -> None:
+    """Wait for the GPU and for the other processes, so the clock brackets everyone's work."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    barrier()
+
+
+def time_all_reduce(model: torch.nn.Module, comm_hook: str, repeats: int = 3) -> float:
+    """Seconds to all-reduce one step's worth of gradients once, alone (no compute beside it), in the
+    dtype the communication hook sends."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dtype = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[comm_hook]
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+    dist.all_reduce(flat)  # the first one sets up the connection buffers
+    started = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(flat)
+    if flat.is_cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
+def peak_memory_mb(ctx: DistContext) -> float:
+    if ctx.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(ctx.device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+def run_configuration(args: argparse.Namespace, mode: str, source: str, result_dir: Path) -> dict:
+    """Start fresh processes for one configuration and combine their figures."""
+    nprocs = 1 if mode == "single" else args.nproc
+    config = argparse.Namespace(**vars(args), mode=mode, source=source, result_dir=str(result_dir))
+    os.environ.pop("MASTER_PORT", None)  # a new free port for every job
+    # fork: the processes start in a moment instead of importing torch again (what they time starts
+    # after start-up either way); the launch probes below time the real spawn.
+    spawn_workers(measure, nprocs, config, start_method="fork" if sys.platform == "linux" else "spawn")
+    ranks = [json.loads((result_dir / f"{mode}_{source}_rank{r}.json").read_text()) for r in range(nprocs)]
+    # Each repeat takes as long as its slowest process; the median repeat shrugs off a moment when
+    # something else on the machine took a core.
+    seconds = statistics.median(max(times) for times in zip(*(r["seconds"] for r in ranks), strict=True))
+    figures = {"images_per_s": sum(r["images"] for r in ranks) / seconds, "step_time_s": seconds / args.steps,
+               "peak_memory_mb": max(r["peak_memory_mb"] for r in ranks)}
+    if mode == "ddp":
+        figures["allreduce_s"] = max(r["allreduce_s"] for r in ranks)
+    print(f"{mode:>6} {source:>9}: {figures['images_per_s']:7.1f} images/s, {figures['step_time_s']:.3f} s "
+          f"per step, peak {figures['peak_memory_mb']:.0f} MB per process", file=sys.stderr, flush=True)
+    return figures
+
+
+def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """One training step under a real launcher; records when it finished."""
+    ctx = init_distributed_mode(args.device, spawn_rank=rank if args.probe == "spawn" else None,
+                                spawn_world_size=world_size if args.probe == "spawn" else None)
+    try:
+        options = StepOptions.from_args(args, ctx.device)
+        model = build_model(args.model, 5).to(ctx.device, memory_format=options.memory_format)
+        model = wrap_ddp(model, ctx, bucket_cap_mb=args.bucket_cap_mb, comm_hook=args.comm_hook)
+        optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
+        args.warmup_steps, args.steps = 0, 1
+        train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5), ctx.device, 0, options)
+        synchronize(ctx)
+        (Path(args.probe_dir) / f"rank{ctx.rank}").write_text(str(time.time()))
+    finally:
+        cleanup()
+
+
+def time_to_first_step(args: argparse.Namespace, launcher: str, probe_dir: Path) -> float:
+    """Seconds from starting the launcher's command to the first step finished on every process."""
+    own_flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k in ("device", "model", "image_size", "batch_size", "amp", "channels_last", "bucket_cap_mb",
+                          "comm_hook")]
+    probe = [__file__, *own_flags, f"--probe={launcher}", f"--probe-dir={probe_dir}"]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               *probe]
+    else:
+        cmd = [sys.executable, *probe, f"--nproc={args.nproc}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    started = time.time()
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=600)
+    seconds = max(float(path.read_text()) for path in probe_dir.iterdir()) - started
+    print(f"{launcher:>8}: first step done {seconds:.1f} s after launch", file=sys.stderr, flush=True)
+    return seconds
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    return {"cpu": names[0] if names else platform.processor(), "cores": cpu_threads_per_process(1),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def benchmark(args: argparse.Namespace) -> dict:
+    if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
+        raise UserInputError(f"--nproc {args.nproc}: only {torch.cuda.device_count()} GPU(s) visible "
+                             "(NCCL needs one GPU per process)")
+    if args.data_path is None:
+        args.data_path = str(ensure_photo_folder())
+    results: dict[str, dict[str, dict]] = {source: {} for source in SOURCES}
+    with tempfile.TemporaryDirectory() as scratch:
+        for source in SOURCES:
+            for mode in MODES:
+                results[source][mode] = run_configuration(args, mode, source, Path(scratch))
+        launch = {}
+        if not args.skip_launch:
+            for launcher in ("torchrun", "spawn"):
+                probe_dir = Path(scratch) / launcher
+                probe_dir.mkdir()
+                launch[launcher] = time_to_first_step(args, launcher, probe_dir)
+    gradient_mb = sum(p.numel() * 4 for p in build_model(args.model, 5).parameters()) / 2**20
+    train_images = len(load_datasets(args.data_path, args.image_size, single_process("cpu")).train)
+    return summarize(args, results, launch, gradient_mb, train_images)
+
+
+def summarize(args: argparse.Namespace, results: dict[str, dict[str, dict]], launch: dict[str, float],
+              gradient_mb: float, train_images: int) -> dict:
+    """The figures of every configuration, and the ratios between them, as one JSON-ready dict."""
+    synthetic, folder = results["synthetic"], results["folder"]
+    return {
+        "single_images_per_s": synthetic["single"]["images_per_s"],
+        "ddp_images_per_s": synthetic["ddp"]["images_per_s"],
+        "nosync_images_per_s": synthetic["nosync"]["images_per_s"],
+        "world_size": args.nproc,
+        "scaling_efficiency": synthetic["ddp"]["images_per_s"] / synthetic["single"]["images_per_s"],
+        "comm_overhead": 1 - synthetic["ddp"]["images_per_s"] / synthetic["nosync"]["images_per_s"],
+        "pipeline_ratio": folder["ddp"]["images_per_s"] / synthetic["ddp"]["images_per_s"],
+        "pipeline_ratio_single": folder["single"]["images_per_s"] / synthetic["single"]["images_per_s"],
+        "folder_single_images_per_s": folder["single"]["images_per_s"],
+        "folder_ddp_images_per_s": folder["ddp"]["images_per_s"],
+        "folder_nosync_images_per_s": folder["nosync"]["images_per_s"],
+        "folder_scaling_efficiency": folder["ddp"]["images_per_s"] / folder["single"]["images_per_s"],
+        "time_to_first_step_s": launch,
+        "peak_memory_mb": {mode: synthetic[mode]["peak_memory_mb"] for mode in MODES},
+        "step_time_s": {mode: synthetic[mode]["step_time_s"] for mode in MODES},
+        # What the README's explanation of the limit needs: the bytes each step all-reduces, and how long
+        # one all-reduce of them takes alone.
+        "gradient_mb": gradient_mb,
+        "allreduce_s": synthetic["ddp"]["allreduce_s"],
+        # An epoch of the image folder's training split, at the folder's speed.
+        "epoch_time_s": {"images": train_images, "single": train_images / folder["single"]["images_per_s"],
+                         "ddp": train_images / folder["ddp"]["images_per_s"]},
+        "workload": {k: v for k, v in vars(args).items() if k not in ("probe", "probe_dir", "skip_launch", "output")},
+        "machine": machine(),
+    }
+
+
+def main() -> None:
+    args = get_args_parser().parse_args()
+    try:
+        if args.probe == "torchrun":
+            probe_worker(0, 0, args)
+        elif args.probe == "spawn":
+            spawn_workers(probe_worker, args.nproc, args)
+        else:
+            figures = benchmark(args)
+            if args.output:
+                Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.output).write_text(json.dumps(figures, indent=2) + "\n")
+            print(json.dumps(figures), flush=True)
+    except UserInputError as err:
+        report(f"error: {one_line(err)}")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""bench/benchmark.py and bench/plot_benchmark.py in pieces; the README test runs both whole, as the README says."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from conftest import REPO, make_image_folder
+
+REQUIRED_KEYS = {"single_images_per_s", "ddp_images_per_s", "nosync_images_per_s", "world_size", "scaling_efficiency",
+                 "comm_overhead", "pipeline_ratio", "time_to_first_step_s", "peak_memory_mb", "workload"}
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so that spawn and pickle find the functions it defines
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = load_script("benchmark")
+plot_benchmark = load_script("plot_benchmark")
+
+
+def bench_args(**overrides: object) -> argparse.Namespace:
+    argv = ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2", "--warmup-steps", "1"]
+    args = benchmark.get_args_parser().parse_args(argv)
+    return argparse.Namespace(**{**vars(args), **overrides})
+
+
+def made_up_results() -> dict[str, dict[str, dict]]:
+    def figures(images_per_s: float) -> dict:
+        return {"images_per_s": images_per_s, "step_time_s": 32 / images_per_s, "peak_memory_mb": 900.0,
+                "allreduce_s": 0.1}
+
+    return {"synthetic": {"single": figures(40.0), "ddp": figures(38.0), "nosync": figures(50.0)},
+            "folder": {"single": figures(36.0), "ddp": figures(34.2), "nosync": figures(45.0)}}
+
+
+def test_the_summary_holds_every_figure_and_the_ratios_between_them() -> None:
+    summary = benchmark.summarize(bench_args(), made_up_results(), {"torchrun": 9.0, "spawn": 11.0}, 81.2, 480)
+    assert set(summary) >= REQUIRED_KEYS
+    assert summary["scaling_efficiency"] == pytest.approx(38.0 / 40.0)
+    assert summary["comm_overhead"] == pytest.approx(1 - 38.0 / 50.0)
+    assert summary["pipeline_ratio"] == pytest.approx(34.2 / 38.0)
+    assert summary["epoch_time_s"] == {"images": 480, "single": 480 / 36.0, "ddp": 480 / 34.2}
+    assert summary["workload"]["model"] == "resnet18" and "probe" not in summary["workload"]
+    json.dumps(summary)  # printable as the last line
+
+
+def test_batches_go_on_into_the_next_epoch_with_a_new_shuffle() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(6))
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    batches = benchmark.Batches(DataLoader(data, batch_size=2, sampler=sampler), count=5)
+    seen = [batch[0].tolist() for batch in batches]
+    assert len(batches) == len(seen) == 5
+    first_epoch = [i for batch in seen[:3] for i in batch]
+    second_epoch = [i for batch in seen[3:] for i in batch]
+    assert sorted(first_epoch) == list(range(6)) and sampler.epoch == 1
+    assert second_epoch != first_epoch[:4], "set_epoch(1) gives the second pass another order"
+
+
+@pytest.mark.parametrize("source", ["synthetic", "folder"])
+def test_one_process_measures_images_per_second_and_memory(tmp_path: Path, source: str) -> None:
+    data = make_image_folder(tmp_path / "images", {"a": 6, "b": 6})
+    args = bench_args(mode="single", source=source, result_dir=str(tmp_path), data_path=str(data), workers=0)
+    benchmark.measure(0, 1, args)
+    figures = json.loads((tmp_path / f"single_{source}_rank0.json").read_text())
+    assert figures["images"] == 2 * 2 and figures["peak_memory_mb"] > 100
+    assert len(figures["seconds"]) == args.repeats and min(figures["seconds"]) > 0
+
+
+def test_the_picture_is_drawn_from_result_files(tmp_path: Path) -> None:
+    summary = benchmark.summarize(bench_args(), made_up_results(), {}, 81.2, 480)
+    tuned = {**summary, "workload": {**summary["workload"], "accum_steps": 4, "comm_hook": "bf16"}}
+    figure = plot_benchmark.draw([summary, tuned])
+    speed, epoch = figure.axes
+    assert sorted(bar.get_height() for bar in speed.patches) == sorted([36.0, 34.2, 45.0] * 2)
+    assert {round(bar.get_height(), 3) for bar in epoch.patches} == {round(480 / 36.0, 3), round(480 / 34.2, 3)}
+    labels = [label.get_text() for label in speed.get_xticklabels()]
+    assert labels[0] == "resnet18 16px, batch 2" and "--accum-steps 4" in labels[1]
+    machine = summary["machine"]
+    assert (machine["gpu"] or f"{machine['cores']}-core CPU") in figure.get_suptitle(), "the machine is named"
+
+
+def test_a_file_that_is_not_a_result_is_one_line_naming_it(tmp_path: Path) -> None:
+    wrong = tmp_path / "metrics.json"
+    wrong.write_text('{"epoch": 0}')
+    with pytest.raises(SystemExit, match=r"^error: .*metrics\.json: not a benchmark result"):
+        plot_benchmark.read_results(wrong)
