@@ -68,7 +68,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
-    add("--nproc", type=at_least(2), default=2, help="DDP processes to compare with one process")
+    add("--nproc", type=at_least(1), default=2, help="DDP processes to compare with one process (1: one process "
+        "only, as on a machine with one GPU)")
     add("--device", choices=("cpu", "cuda"), default="cpu")
     add("--model", default="resnet34")
     add("--image-size", type=at_least(16), default=64)
@@ -283,8 +284,9 @@ def benchmark(args: argparse.Namespace) -> dict:
         args.data_path = str(ensure_photo_folder())
     results: dict[str, dict[str, dict]] = {source: {} for source in SOURCES}
     with tempfile.TemporaryDirectory() as scratch:
+        modes = MODES if args.nproc > 1 else ("single",)
         for source in SOURCES:
-            for mode in MODES:
+            for mode in modes:
                 results[source][mode] = run_configuration(args, mode, source, Path(scratch))
         launch = {}
         if not args.skip_launch:
@@ -299,31 +301,41 @@ def benchmark(args: argparse.Namespace) -> dict:
 
 def summarize(args: argparse.Namespace, results: dict[str, dict[str, dict]], launch: dict[str, float],
               gradient_mb: float, train_images: int) -> dict:
-    """The figures of every configuration, and the ratios between them, as one JSON-ready dict."""
+    """The figures of every configuration, and the ratios between them, as one JSON-ready dict; None for
+    what was not measured (ddp and nosync with --nproc 1)."""
     synthetic, folder = results["synthetic"], results["folder"]
+
+    def speed(figures: dict[str, dict], mode: str) -> float | None:
+        return figures[mode]["images_per_s"] if mode in figures else None
+
+    def ratio(numerator: float | None, denominator: float | None) -> float | None:
+        return numerator / denominator if numerator is not None and denominator else None
+
+    def epoch_time(mode: str) -> float | None:
+        return ratio(train_images, speed(folder, mode))
+
     return {
-        "single_images_per_s": synthetic["single"]["images_per_s"],
-        "ddp_images_per_s": synthetic["ddp"]["images_per_s"],
-        "nosync_images_per_s": synthetic["nosync"]["images_per_s"],
+        "single_images_per_s": speed(synthetic, "single"),
+        "ddp_images_per_s": speed(synthetic, "ddp"),
+        "nosync_images_per_s": speed(synthetic, "nosync"),
         "world_size": args.nproc,
-        "scaling_efficiency": synthetic["ddp"]["images_per_s"] / synthetic["single"]["images_per_s"],
-        "comm_overhead": 1 - synthetic["ddp"]["images_per_s"] / synthetic["nosync"]["images_per_s"],
-        "pipeline_ratio": folder["ddp"]["images_per_s"] / synthetic["ddp"]["images_per_s"],
-        "pipeline_ratio_single": folder["single"]["images_per_s"] / synthetic["single"]["images_per_s"],
-        "folder_single_images_per_s": folder["single"]["images_per_s"],
-        "folder_ddp_images_per_s": folder["ddp"]["images_per_s"],
-        "folder_nosync_images_per_s": folder["nosync"]["images_per_s"],
-        "folder_scaling_efficiency": folder["ddp"]["images_per_s"] / folder["single"]["images_per_s"],
+        "scaling_efficiency": ratio(speed(synthetic, "ddp"), speed(synthetic, "single")),
+        "comm_overhead": 1 - ratio(speed(synthetic, "ddp"), speed(synthetic, "nosync")) if "ddp" in synthetic else None,
+        "pipeline_ratio": ratio(speed(folder, "ddp"), speed(synthetic, "ddp")),
+        "pipeline_ratio_single": ratio(speed(folder, "single"), speed(synthetic, "single")),
+        "folder_single_images_per_s": speed(folder, "single"),
+        "folder_ddp_images_per_s": speed(folder, "ddp"),
+        "folder_nosync_images_per_s": speed(folder, "nosync"),
+        "folder_scaling_efficiency": ratio(speed(folder, "ddp"), speed(folder, "single")),
         "time_to_first_step_s": launch,
-        "peak_memory_mb": {mode: synthetic[mode]["peak_memory_mb"] for mode in MODES},
-        "step_time_s": {mode: synthetic[mode]["step_time_s"] for mode in MODES},
+        "peak_memory_mb": {mode: figures["peak_memory_mb"] for mode, figures in synthetic.items()},
+        "step_time_s": {mode: figures["step_time_s"] for mode, figures in synthetic.items()},
         # What the README's explanation of the limit needs: the bytes each step all-reduces, and how long
         # one all-reduce of them takes alone.
         "gradient_mb": gradient_mb,
-        "allreduce_s": synthetic["ddp"]["allreduce_s"],
+        "allreduce_s": synthetic["ddp"]["allreduce_s"] if "ddp" in synthetic else None,
         # An epoch of the image folder's training split, at the folder's speed.
-        "epoch_time_s": {"images": train_images, "single": train_images / folder["single"]["images_per_s"],
-                         "ddp": train_images / folder["ddp"]["images_per_s"]},
+        "epoch_time_s": {"images": train_images, "single": epoch_time("single"), "ddp": epoch_time("ddp")},
         "workload": {k: v for k, v in vars(args).items() if k not in ("probe", "probe_dir", "skip_launch", "output")},
         "machine": machine(),
     }

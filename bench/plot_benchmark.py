@@ -57,9 +57,10 @@ def draw(all_results: list[dict]) -> Figure:
     width = 0.8 / len(BARS)
     for i, (name, key) in enumerate(BARS):
         positions = [g + (i - (len(BARS) - 1) / 2) * width for g in range(len(all_results))]
-        values = [results[key] for results in all_results]
-        bars = speed.bar(positions, values, width, label=name.replace("N", str(all_results[0]["world_size"])))
-        speed.bar_label(bars, fmt="%.1f", fontsize=8)
+        values = [results[key] for results in all_results]  # None: not measured (--nproc 1)
+        bars = speed.bar(positions, [v or 0 for v in values], width,
+                         label=name.replace("N", str(all_results[0]["world_size"])))
+        speed.bar_label(bars, labels=[f"{v:.1f}" if v else "" for v in values], fontsize=8)
     speed.set_ylabel("images / s (image folder, all processes)")
     speed.set_title("Training speed")
     epoch_width = 0.8 / 2
@@ -67,8 +68,8 @@ def draw(all_results: list[dict]) -> Figure:
         positions = [g + (i - 0.5) * epoch_width for g in range(len(all_results))]
         values = [results["epoch_time_s"][mode] for results in all_results]
         name = "1 process" if mode == "single" else f"{all_results[0]['world_size']} processes (DDP)"
-        bars = epoch.bar(positions, values, epoch_width, label=name)
-        epoch.bar_label(bars, fmt="%.0f s", fontsize=8)
+        bars = epoch.bar(positions, [v or 0 for v in values], epoch_width, label=name)
+        epoch.bar_label(bars, labels=[f"{v:.0f} s" if v else "" for v in values], fontsize=8)
     epoch.set_ylabel(f"seconds per epoch of {all_results[0]['epoch_time_s']['images']} images")
     epoch.set_title("Time per epoch")
     for axes in (speed, epoch):

@@ -91,7 +91,7 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
             help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only; true/false)")
     add("--amp", nargs="?", const="auto", default="off", choices=AMP_CHOICES,
         help="mixed precision: bf16 or fp16 autocast (fp16 with loss scaling, CUDA only); auto or the bare "
-             "flag: bf16 where the device has it, else fp16")
+             "flag: bf16 where the device computes in it, else fp16 on a GPU and float32 on a CPU")
     add("--channels-last", type=str2bool, nargs="?", const=True, default=False,
         help="channels-last (NHWC) memory format for the model and the images (true/false)")
     add("--compile", type=str2bool, nargs="?", const=True, default=False,

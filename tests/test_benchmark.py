@@ -57,6 +57,19 @@ def test_the_summary_holds_every_figure_and_the_ratios_between_them() -> None:
     json.dumps(summary)  # printable as the last line
 
 
+def test_with_one_process_only_its_own_figures_are_given() -> None:
+    """--nproc 1, as on a machine with one GPU: nothing to compare with, so the ratios are None."""
+    one = {source: {"single": figures} for source, figures in
+           ((source, made_up_results()[source]["single"]) for source in ("synthetic", "folder"))}
+    summary = benchmark.summarize(bench_args(nproc=1), one, {}, 81.2, 480)
+    assert summary["single_images_per_s"] == 40.0 and summary["pipeline_ratio_single"] == pytest.approx(0.9)
+    assert summary["ddp_images_per_s"] is summary["scaling_efficiency"] is summary["comm_overhead"] is None
+    assert summary["epoch_time_s"]["ddp"] is None and set(summary["peak_memory_mb"]) == {"single"}
+    json.dumps(summary)
+    speed, _ = plot_benchmark.draw([summary]).axes
+    assert [bar.get_height() for bar in speed.patches] == [36.0, 0, 0]
+
+
 def test_batches_go_on_into_the_next_epoch_with_a_new_shuffle() -> None:
     data = torch.utils.data.TensorDataset(torch.arange(6))
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)

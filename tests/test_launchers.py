@@ -60,7 +60,7 @@ def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> No
 
 
 def test_spawn_two_processes_with_the_speed_flags(odd_folder: Path, tmp_path: Path) -> None:
-    speed = ["--amp", "--channels-last", "--accum-steps", "2", "--comm-hook", "bf16", "--bucket-cap-mb", "5"]
+    speed = ["--amp", "bf16", "--channels-last", "--accum-steps", "2", "--comm-hook", "bf16", "--bucket-cap-mb", "5"]
     result = run([python(), SPAWN, "--world-size", "2", *flags(odd_folder, tmp_path), *speed])
     finished(result, tmp_path, world_size=2)
     assert "(spawn, gloo): rank 1/2" in result.stdout

@@ -36,13 +36,6 @@ NOT_RUN = [
     (r"resnet34-333f7ec4\.pth", "needs the flower_photos data set and ImageNet weights (downloads)"),
 ]
 
-# Scripts the README names before they exist in this tree: issue 5 (speed) adds the benchmark. A command of
-# a listed script is skipped only while the script is missing; delete its line once it lands.
-PENDING_SCRIPTS = {
-    "bench/benchmark.py": "issue 5 adds it",
-    "bench/plot_benchmark.py": "issue 5 adds it",
-}
-
 # Appended to each command of a script, to keep the run tiny; "{data}" is a small image folder, used instead
 # of the demo data (600 images) to save time. A script missing here fails the test: add it.
 TRAIN_TINY = ["--data-path", "{data}", *TINY_FLAGS]
@@ -53,7 +46,7 @@ TINY_OVERRIDES = {
     "utils.py": ["--data-path", "{data}", "--image-size", "16", "--batch-size", "4"],
     "plot_runs.py": [],
     "bench/benchmark.py": ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2",
-                           "--warmup-steps", "1"],
+                           "--warmup-steps", "1", "--repeats", "1"],
     "bench/plot_benchmark.py": [],
 }
 COMMAND_TIMEOUT_S = 150
@@ -104,8 +97,6 @@ def to_argv(command: str, data: Path) -> tuple[list[str], dict[str, str]]:
     script = scripts[0]
     if script not in TINY_OVERRIDES:
         raise AssertionError(f"README command {command!r}: add {script} to TINY_OVERRIDES")
-    if not (REPO / script).is_file() and script in PENDING_SCRIPTS:
-        pytest.skip(f"{script} does not exist yet ({PENDING_SCRIPTS[script]})")
     assert (REPO / script).is_file(), f"README command {command!r}: {script} does not exist"
     args = [str(REPO / arg) if arg == script else arg for arg in args]
     args = [f"--master_port={free_port()}" if arg.startswith(("--master_port=", "--master-port=")) else arg

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import multi_train_utils.train_eval_utils as engine
 import train_single_gpu
 from conftest import TINY_FLAGS, make_image_folder
 from multi_train_utils import checkpoint
@@ -57,9 +58,17 @@ def test_channels_last_reaches_the_weights_and_the_images() -> None:
     assert result.total == 8
 
 
-@pytest.mark.parametrize(("amp", "expected"), [("off", None), ("auto", torch.bfloat16), ("bf16", torch.bfloat16)])
-def test_amp_choices_on_cpu(amp: str, expected: torch.dtype | None) -> None:
+@pytest.mark.parametrize(("amp", "has_bf16", "expected"), [
+    ("off", True, None), ("auto", True, torch.bfloat16), ("bf16", True, torch.bfloat16),
+    ("auto", False, None), ("bf16", False, torch.bfloat16),
+])
+def test_amp_choices_on_cpu(amp: str, has_bf16: bool, expected: torch.dtype | None,
+                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """auto never picks an emulated bf16 (25 times slower here); an explicit bf16 is kept, with a warning."""
+    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: has_bf16)
     assert autocast_dtype(amp, torch.device("cpu")) == expected
+    warned = "this CPU has no bfloat16 instructions" in capsys.readouterr().out
+    assert warned == (amp != "off" and not has_bf16)
 
 
 def test_fp16_on_cpu_is_refused_naming_the_flag() -> None:
@@ -67,7 +76,8 @@ def test_fp16_on_cpu_is_refused_naming_the_flag() -> None:
         autocast_dtype("fp16", torch.device("cpu"))
 
 
-def test_options_from_the_command_line() -> None:
+def test_options_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
     args = parse_args("launch", ["--amp", "--channels-last", "--accum-steps", "3", "--comm-hook", "bf16",
                                  "--bucket-cap-mb", "50"])
     options = StepOptions.from_args(args, torch.device("cpu"))
