@@ -53,7 +53,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     lr = args.lr * ctx.world_size * args.accum_steps
     print_main(f"lr {args.lr} x {ctx.world_size} process(es) x {args.accum_steps} accumulated batch(es) = {lr:g}")
     optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs)
-    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options.scaler)
+    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options)
     with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
             start_epoch, best_acc, options)

@@ -33,7 +33,7 @@ def main(args: argparse.Namespace) -> None:
     # Each optimizer step now learns from accum_steps batches (see the multi-process scripts for why).
     optimizer, scheduler = build_optimizer(model, args.lr * args.accum_steps, args.epochs, args.lrf,
                                            args.warmup_epochs)
-    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options.scaler)
+    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options)
     with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
             start_epoch, best_acc, options)

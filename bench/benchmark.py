@@ -62,6 +62,7 @@ PHOTOS_ROOT = REPO / "data" / "bench_photos"
 PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's flower_photos
 MODES = ("single", "ddp", "nosync")
 SOURCES = ("synthetic", "folder")
+PROBE_TIMEOUT_S = 600
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -83,6 +84,8 @@ def get_args_parser() -> argparse.ArgumentParser:
         "training scripts' default)")
     add("--amp", default="off", choices=AMP_CHOICES)
     add("--channels-last", type=str2bool, nargs="?", const=True, default=False)
+    add("--compile", type=str2bool, nargs="?", const=True, default=False,
+        help="torch.compile the model; give --warmup-steps enough to cover the compiling")
     add("--accum-steps", type=at_least(1), default=1, help="batches per optimizer step (and per all-reduce)")
     add("--bucket-cap-mb", type=positive_float, default=25.0)
     add("--comm-hook", default="none", choices=COMM_HOOKS)
@@ -162,7 +165,8 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
         options = StepOptions.from_args(args, ctx.device)
         options.sync_gradients = args.mode != "nosync"
         model = build_model(args.model, num_classes).to(ctx.device, memory_format=options.memory_format)
-        model = wrap_ddp(model, ctx, bucket_cap_mb=args.bucket_cap_mb, comm_hook=args.comm_hook)
+        model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
+                         comm_hook=args.comm_hook)
         optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
         if warmup:
             train_one_epoch(model, optimizer, warmup, ctx.device, epoch=0, options=options)
@@ -195,6 +199,9 @@ def time_all_reduce(model: torch.nn.Module, comm_hook: str, repeats: int = 3) ->
     dtype = {"none": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[comm_hook]
     flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
     dist.all_reduce(flat)  # the first one sets up the connection buffers
+    if flat.is_cuda:
+        torch.cuda.synchronize()  # NCCL returns before the all-reduce is done
+    barrier()
     started = time.perf_counter()
     for _ in range(repeats):
         dist.all_reduce(flat)
@@ -214,9 +221,10 @@ def run_configuration(args: argparse.Namespace, mode: str, source: str, result_d
     nprocs = 1 if mode == "single" else args.nproc
     config = argparse.Namespace(**vars(args), mode=mode, source=source, result_dir=str(result_dir))
     os.environ.pop("MASTER_PORT", None)  # a new free port for every job
-    # fork: the processes start in a moment instead of importing torch again (what they time starts
-    # after start-up either way); the launch probes below time the real spawn.
-    spawn_workers(measure, nprocs, config, start_method="fork" if sys.platform == "linux" else "spawn")
+    # fork on a Linux CPU: the processes start in a moment instead of importing torch again (what they time
+    # starts after start-up either way; the launch probes time the real spawn). CUDA does not survive a fork.
+    fork = sys.platform == "linux" and args.device == "cpu"
+    spawn_workers(measure, nprocs, config, start_method="fork" if fork else "spawn")
     ranks = [json.loads((result_dir / f"{mode}_{source}_rank{r}.json").read_text()) for r in range(nprocs)]
     # Each repeat takes as long as its slowest process; the median repeat shrugs off a moment when
     # something else on the machine took a core.
@@ -237,7 +245,8 @@ def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     try:
         options = StepOptions.from_args(args, ctx.device)
         model = build_model(args.model, 5).to(ctx.device, memory_format=options.memory_format)
-        model = wrap_ddp(model, ctx, bucket_cap_mb=args.bucket_cap_mb, comm_hook=args.comm_hook)
+        model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
+                         comm_hook=args.comm_hook)
         optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
         args.warmup_steps, args.steps = 0, 1
         train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5), ctx.device, 0, options)
@@ -250,8 +259,8 @@ def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
 def time_to_first_step(args: argparse.Namespace, launcher: str, probe_dir: Path) -> float:
     """Seconds from starting the launcher's command to the first step finished on every process."""
     own_flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("device", "model", "image_size", "batch_size", "amp", "channels_last", "bucket_cap_mb",
-                          "comm_hook")]
+                 if k in ("device", "model", "image_size", "batch_size", "amp", "channels_last", "compile",
+                          "bucket_cap_mb", "comm_hook")]
     probe = [__file__, *own_flags, f"--probe={launcher}", f"--probe-dir={probe_dir}"]
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -260,10 +269,30 @@ def time_to_first_step(args: argparse.Namespace, launcher: str, probe_dir: Path)
         cmd = [sys.executable, *probe, f"--nproc={args.nproc}"]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     started = time.time()
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=600)
+    launcher_process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    try:
+        exit_code = launcher_process.wait(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        exit_code = None
+    finally:
+        # SIGTERM first: torchrun and the spawn script then stop their workers, which a SIGKILL would orphan.
+        stop_process(launcher_process)
+    if exit_code != 0:
+        raise SystemExit(f"error: the {launcher} probe " + (f"ran past {PROBE_TIMEOUT_S} s" if exit_code is None
+                                                             else f"failed (exit {exit_code})"))
     seconds = max(float(path.read_text()) for path in probe_dir.iterdir()) - started
     print(f"{launcher:>8}: first step done {seconds:.1f} s after launch", file=sys.stderr, flush=True)
     return seconds
+
+
+def stop_process(process: subprocess.Popen, grace_s: float = 15.0) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def machine() -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -14,6 +14,9 @@ from torch import nn
 
 from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main, unwrap_model
 from .errors import UserInputError
+
+if TYPE_CHECKING:
+    from .train_eval_utils import StepOptions
 
 CHECKPOINT_NAME = "checkpoint.pth"
 
@@ -60,13 +63,13 @@ def gather_rng_states() -> list[dict[str, Any]]:
 def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
                     rng_states: list[dict[str, Any]], args: dict[str, Any],
-                    scaler: torch.amp.GradScaler | None = None) -> dict[str, Any]:
+                    scaler: torch.amp.GradScaler) -> dict[str, Any]:
     """All it takes to continue after `epoch`: weights, optimizer and schedule, the fp16 loss scale, the
     best accuracy so far, the random states of every rank, and the arguments (to check that a resumed run
     is the same run)."""
     return {
         "model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
         "epoch": epoch, "best_acc": best_acc, "rng": rng_states, "args": args,
     }
 
@@ -122,7 +125,7 @@ def broadcast_from_main(obj: object) -> object:
 
 def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext, model: nn.Module,
            optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-           scaler: torch.amp.GradScaler | None = None) -> tuple[int, float]:
+           options: StepOptions) -> tuple[int, float]:
     """Load the checkpoint to continue from, if any; return (first epoch to run, best accuracy so far)."""
     found: tuple[str, Any] | None = None
     if ctx.is_main:
@@ -145,14 +148,19 @@ def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistCont
         raise UserInputError(f"--resume {path}: saved from --model {saved.get('model')} on data with other "
                              f"classes or another model; it does not fit ({str(err).splitlines()[0]})") from None
     scheduler.load_state_dict(checkpoint["scheduler"])
-    if scaler and checkpoint.get("scaler"):
-        scaler.load_state_dict(checkpoint["scaler"])
+    if options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved by a run without fp16
+        options.scaler.load_state_dict(checkpoint["scaler"])
     states = checkpoint["rng"]
     if len(states) == ctx.world_size:
         set_rng_state(states[ctx.rank])
     else:
-        rescale_lr(optimizer, scheduler, ctx.world_size / len(states))
-        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the lr is scaled by "
-                   f"{ctx.world_size}/{len(states)} with the global batch; the random augmentations differ")
+        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the random "
+                   "augmentations differ")
+    # The lr was scaled with the batch of one optimizer step (processes x accumulated batches); follow it.
+    saved_batches = len(states) * checkpoint.get("args", {}).get("accum_steps", 1)
+    if ctx.world_size * options.accum_steps != saved_batches:
+        rescale_lr(optimizer, scheduler, ctx.world_size * options.accum_steps / saved_batches)
+        print_main(f"The lr is scaled by {ctx.world_size * options.accum_steps}/{saved_batches} with the batches "
+                   "of one optimizer step (processes x --accum-steps)")
     print_main(f"Resuming from {path} after epoch {checkpoint['epoch']}")
     return checkpoint["epoch"] + 1, checkpoint["best_acc"]

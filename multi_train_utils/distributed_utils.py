@@ -286,8 +286,8 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, sync_bn: bool = False, compile_
         # whose gradient hooks then fire on the compiled model's parameters as on the plain one's.
         model = torch.compile(model)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buffers, saving one copy of all
-    # gradients per step and their memory. Larger buckets mean fewer, longer all-reduces.
+    # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buffers, so memory holds one copy
+    # of them instead of two. Larger buckets mean fewer, longer all-reduces.
     ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True,
                                   bucket_cap_mb=bucket_cap_mb)
     if comm_hook != "none":

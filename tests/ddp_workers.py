@@ -45,16 +45,18 @@ def count_all_reduces(model: nn.Module) -> list[int]:
 
 
 def train_fixed_order(ctx: DistContext, batch_size: int, samples: int, sync_bn: bool = False,
-                      options: StepOptions | None = None, comm_hook: str = "none") -> tuple[nn.Module, int]:
+                      options: StepOptions | None = None, comm_hook: str = "none",
+                      count: bool = False) -> tuple[nn.Module, int]:
     """Train with the engine's own loop on samples dealt in a fixed order: step k of rank r takes
     indices r, r+N, r+2N, ... of block k, so the N ranks together see exactly what one process with
     batch N*b sees in its step k (and with K accumulated batches, what it sees in K of its steps).
-    Returns the plain model and the number of gradient all-reduces DDP ran (counted without a hook)."""
+    Returns the plain model and, with `count`, the number of gradient all-reduces DDP ran (counting puts
+    a hook in place of DDP's built-in all-reduce; 0 without `count`)."""
     dataset = fixed_data(samples)
     sampler = DistributedSampler(dataset, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     model = wrap_ddp(small_net(batchnorm=sync_bn).to(ctx.device), ctx, sync_bn=sync_bn, comm_hook=comm_hook)
-    all_reduces = count_all_reduces(model) if ctx.distributed and comm_hook == "none" else [0]
+    all_reduces = count_all_reduces(model) if count else [0]
     optimizer, scheduler = build_optimizer(model, lr=0.05, epochs=EPOCHS)
     for epoch in range(EPOCHS):
         train_one_epoch(model, optimizer, loader, ctx.device, epoch, options)
@@ -71,6 +73,7 @@ class Case:
     comm_hook: str = "none"
     sync_gradients: bool = True
     sync_bn: bool = False
+    count_all_reduces: bool = False
 
 
 def equal_weights_worker(rank: int, world_size: int, samples: int, out: str, cases: dict[str, Case],
@@ -81,7 +84,7 @@ def equal_weights_worker(rank: int, world_size: int, samples: int, out: str, cas
         for name, case in cases.items():
             options = StepOptions(ctx.device.type, accum_steps=case.accum_steps, sync_gradients=case.sync_gradients)
             model, all_reduces = train_fixed_order(ctx, case.batch_size, samples, case.sync_bn, options,
-                                                   case.comm_hook)
+                                                   case.comm_hook, case.count_all_reduces)
             torch.save({"weights": {k: v.cpu() for k, v in model.state_dict().items()}, "all_reduces": all_reduces},
                        Path(out) / f"rank{rank}_{name}.pth")
     finally:

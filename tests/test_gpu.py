@@ -59,22 +59,42 @@ def test_single_gpu_run(tmp_path: Path) -> None:
 def test_fp16_channels_last_compiled_run_keeps_its_loss_scale_across_a_resume(tmp_path: Path) -> None:
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
     out = tmp_path / "out"
-    speed = ["--amp", "fp16", "--channels-last", "--compile"]
-    for epochs in ("1", "2"):
+
+    def train(epochs: str) -> None:
         result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(data), "--output-dir", str(out),
-                      *GPU_FLAGS, *speed, "--epochs", epochs, "--resume", "auto"], timeout=600)
+                      *GPU_FLAGS, "--amp", "fp16", "--channels-last", "--compile", "--epochs", epochs,
+                      "--resume", "auto"], timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
+
+    train("1")
+    # A scale the run could not reach by itself in a few steps (it starts at 65536 and grows every 2000).
     saved = torch.load(out / "checkpoint.pth", weights_only=True)
-    assert saved["epoch"] == 1 and saved["scaler"]["scale"] > 0
+    saved["scaler"]["scale"] = 1024.0
+    torch.save(saved, out / "checkpoint.pth")
+    train("2")
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert saved["epoch"] == 1 and saved["scaler"]["scale"] <= 1024.0, "the resumed run went on from 1024"
     assert not any(key.startswith(("_orig_mod.", "module.")) for key in saved["model"])
 
 
-@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 def test_torchrun_on_nccl_with_every_speed_option(tmp_path: Path) -> None:
+    """fp16 with its scaler, under DDP's no_sync accumulation and a compressing hook, on NCCL."""
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
-    result = run([*torchrun(), "--standalone", f"--nproc_per_node={min(GPUS, 2)}",
-                  str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data),
-                  "--output-dir", str(tmp_path / "out"), *GPU_FLAGS, "--amp", "--channels-last", "--compile",
-                  "--accum-steps", "2", "--comm-hook", "bf16"], timeout=600)
+    result = run([*torchrun(), "--standalone", "--nproc_per_node=2", str(REPO / "train_multi_gpu_using_launch.py"),
+                  "--data-path", str(data), "--output-dir", str(tmp_path / "out"), *GPU_FLAGS, "--amp", "fp16",
+                  "--channels-last", "--compile", "--accum-steps", "2", "--comm-hook", "bf16"], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])["val_total"] == 6
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_the_benchmark_on_one_gpu(tmp_path: Path) -> None:
+    result = run([python(), str(REPO / "bench" / "benchmark.py"), "--device", "cuda", "--nproc", "1",
+                  "--model", "resnet18", "--image-size", "32", "--batch-size", "4", "--steps", "2",
+                  "--warmup-steps", "1", "--amp", "bf16", "--channels-last", "--skip-launch",
+                  "--output", str(tmp_path / "gpu.json")], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["single_images_per_s"] > 0 and figures["ddp_images_per_s"] is None
+    assert 0 < figures["peak_memory_mb"]["single"] < 100_000, "CUDA memory of the process, in MB"

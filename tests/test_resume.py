@@ -115,7 +115,7 @@ def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path
 def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Path) -> None:
     from model import create_model
     from multi_train_utils.distributed_utils import DistContext
-    from multi_train_utils.train_eval_utils import build_optimizer
+    from multi_train_utils.train_eval_utils import StepOptions, build_optimizer
 
     train(data, tmp_path, "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
@@ -123,11 +123,18 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
     optimizer, scheduler = build_optimizer(model, lr=0.002 * 4, epochs=2)
     four = DistContext(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"),
                        distributed=False)
-    assert checkpoint.resume("auto", tmp_path, four, model, optimizer, scheduler) == (2, pytest.approx(
-        torch.load(tmp_path / "checkpoint.pth", weights_only=True)["best_acc"]))
+    assert checkpoint.resume("auto", tmp_path, four, model, optimizer, scheduler, StepOptions()) == (
+        2, pytest.approx(torch.load(tmp_path / "checkpoint.pth", weights_only=True)["best_acc"]))
     saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved["optimizer"]["param_groups"][0]["lr"])
     assert scheduler.base_lrs == [pytest.approx(0.008)]
+    # The same for a larger optimizer step made of accumulated batches: 2 processes x 3 batches = 6 x 0.002.
+    optimizer, scheduler = build_optimizer(model, lr=0.002 * 6, epochs=2)
+    two = DistContext(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
+                      distributed=False)
+    checkpoint.resume("auto", tmp_path, two, model, optimizer, scheduler, StepOptions(accum_steps=3))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(6 * saved["optimizer"]["param_groups"][0]["lr"])
+    assert scheduler.base_lrs == [pytest.approx(0.012)]
     train(data, tmp_path, "--epochs", "3", "--resume", "auto")  # the torn line is dropped, not a crash
     assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
 

@@ -81,8 +81,8 @@ def test_options_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parse_args("launch", ["--amp", "--channels-last", "--accum-steps", "3", "--comm-hook", "bf16",
                                  "--bucket-cap-mb", "50"])
     options = StepOptions.from_args(args, torch.device("cpu"))
-    assert (options.amp_dtype, options.channels_last, options.accum_steps, options.scaler) == (
-        torch.bfloat16, True, 3, None)
+    assert (options.amp_dtype, options.channels_last, options.accum_steps) == (torch.bfloat16, True, 3)
+    assert not options.scaler.is_enabled(), "bf16 needs no loss scaling"
     assert (args.comm_hook, args.bucket_cap_mb) == ("bf16", 50.0)
     plain = StepOptions.from_args(parse_args("single", []), torch.device("cpu"))
     assert (plain.amp_dtype, plain.channels_last, plain.accum_steps) == (None, False, 1)
@@ -98,9 +98,36 @@ def test_the_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     saved = checkpoint.make_checkpoint(model, optimizer, scheduler, 0, 0.5, checkpoint.gather_rng_states(),
                                        {"model": "small"}, scaler)
     checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
-    restored = torch.amp.GradScaler("cpu")
-    start_epoch, _ = checkpoint.resume("auto", tmp_path, single_process("cpu"), model, optimizer, scheduler, restored)
-    assert start_epoch == 1 and restored.get_scale() == 256.0
+    options = StepOptions(scaler=torch.amp.GradScaler("cpu"))
+    start_epoch, _ = checkpoint.resume("auto", tmp_path, single_process("cpu"), model, optimizer, scheduler, options)
+    assert start_epoch == 1 and options.scaler.get_scale() == 256.0
+
+
+def test_a_run_without_fp16_resumes_with_fp16(tmp_path: Path) -> None:
+    """A disabled scaler saves nothing; loading that into an enabled one must not fail."""
+    model = ddp_workers.small_net()
+    optimizer, scheduler = ddp_workers.build_optimizer(model, lr=0.05, epochs=2)
+    saved = checkpoint.make_checkpoint(model, optimizer, scheduler, 0, 0.5, checkpoint.gather_rng_states(),
+                                       {"model": "small"}, StepOptions().scaler)
+    assert saved["scaler"] == {}
+    checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
+    options = StepOptions(scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
+    checkpoint.resume("auto", tmp_path, single_process("cpu"), model, optimizer, scheduler, options)
+    assert options.scaler.get_scale() == 512.0
+
+
+@pytest.mark.parametrize(("amp", "bf16_on_gpu", "expected"), [
+    ("auto", True, torch.bfloat16), ("auto", False, torch.float16), ("fp16", True, torch.float16)])
+def test_amp_choices_on_a_gpu(amp: str, bf16_on_gpu: bool, expected: torch.dtype,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Emulated bf16 does not count: older GPUs get fp16 with loss scaling. (torch says every GPU has bf16
+    when emulation counts, as it does by default.)"""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: True if including_emulation else bf16_on_gpu)
+    assert autocast_dtype(amp, torch.device("cuda")) == expected
+    if not bf16_on_gpu:
+        with pytest.raises(UserInputError, match=r"^--amp bf16: this GPU has no bfloat16"):
+            autocast_dtype("bf16", torch.device("cuda"))
 
 
 def test_a_compiled_model_saves_without_the_compile_prefix() -> None:
