@@ -62,28 +62,33 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
     """
     port_is_ours = "MASTER_PORT" not in os.environ
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    for attempt in range(1, PORT_ATTEMPTS + 1):
+    try:
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            if port_is_ours:
+                os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
+            context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
+                                         start_method=start_method)
+            try:
+                # join() returns True when all are done, and raises when one fails, after stopping the rest:
+                # SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later.
+                while not context.join(grace_period=STOP_GRACE_S):
+                    pass
+                return
+            except mp.ProcessRaisedException as err:
+                if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
+                    print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
+                    continue
+                report(f"error: process {err.error_index} failed (see its traceback above); the others were stopped")
+                sys.exit(1)
+            except mp.ProcessExitedException as err:
+                exit_on_lost_process(err)
+            finally:
+                # Also on Ctrl-C or SIGTERM to this process: no worker outlives the launcher.
+                stop_processes(context.processes)
+    finally:
         if port_is_ours:
-            os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
-        context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
-                                     start_method=start_method)
-        try:
-            # join() returns True when all are done, and raises when one fails, after stopping the rest:
-            # SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later.
-            while not context.join(grace_period=STOP_GRACE_S):
-                pass
-            return
-        except mp.ProcessRaisedException as err:
-            if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
-                print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
-                continue
-            report(f"error: process {err.error_index} failed (see its traceback above); the others were stopped")
-            sys.exit(1)
-        except mp.ProcessExitedException as err:
-            exit_on_lost_process(err)
-        finally:
-            # Also on Ctrl-C or SIGTERM to this process: no worker outlives the launcher.
-            stop_processes(context.processes)
+            # The next job this process starts (the benchmark starts many) picks a free port of its own.
+            os.environ.pop("MASTER_PORT", None)
 
 
 def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:

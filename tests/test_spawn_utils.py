@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -54,6 +55,7 @@ def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch, no_p
     monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: next(ports))
     spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
     assert "was taken meanwhile; trying another" in capsys.readouterr().out
+    assert "MASTER_PORT" not in os.environ, "a port we chose is not left for the next job"
 
 
 @pytest.mark.slow
