@@ -134,13 +134,24 @@ def ensure_photo_folder(root: Path = PHOTOS_ROOT) -> Path:
     return root
 
 
-def synthetic_loader(args: argparse.Namespace, ctx: DistContext, num_classes: int) -> list:
-    """One batch made once and handed out every step: no decoding, no copying, nothing to wait for."""
+def synthetic_loader(args: argparse.Namespace, ctx: DistContext, num_classes: int, count: int) -> list:
+    """One batch made once and handed out `count` times: no decoding, no copying, nothing to wait for."""
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     labels = torch.randint(0, num_classes, (args.batch_size,))
     if ctx.device.type == "cuda":
         images, labels = images.pin_memory(), labels.pin_memory()
-    return [(images, labels)] * (args.warmup_steps + args.steps)
+    return [(images, labels)] * count
+
+
+def training_setup(args: argparse.Namespace, ctx: DistContext, num_classes: int,
+                   ) -> tuple[torch.nn.Module, torch.optim.Optimizer, StepOptions]:
+    """Model, optimizer and step options, built as the training scripts build them, from the benchmark's flags."""
+    options = StepOptions.from_args(args, ctx.device)
+    model = build_model(args.model, num_classes).to(ctx.device, memory_format=options.memory_format)
+    model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
+                     comm_hook=args.comm_hook)
+    optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
+    return model, optimizer, options
 
 
 def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -160,14 +171,10 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
             warmup, timed = Batches(loader, args.warmup_steps), Batches(loader, args.steps)
         else:
             num_classes = 5
-            batches = synthetic_loader(args, ctx, num_classes)
+            batches = synthetic_loader(args, ctx, num_classes, args.warmup_steps + args.steps)
             warmup, timed = batches[:args.warmup_steps], batches[args.warmup_steps:]
-        options = StepOptions.from_args(args, ctx.device)
+        model, optimizer, options = training_setup(args, ctx, num_classes)
         options.sync_gradients = args.mode != "nosync"
-        model = build_model(args.model, num_classes).to(ctx.device, memory_format=options.memory_format)
-        model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
-                         comm_hook=args.comm_hook)
-        optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
         if warmup:
             train_one_epoch(model, optimizer, warmup, ctx.device, epoch=0, options=options)
         seconds = []
@@ -220,7 +227,6 @@ def run_configuration(args: argparse.Namespace, mode: str, source: str, result_d
     """Start fresh processes for one configuration and combine their figures."""
     nprocs = 1 if mode == "single" else args.nproc
     config = argparse.Namespace(**vars(args), mode=mode, source=source, result_dir=str(result_dir))
-    os.environ.pop("MASTER_PORT", None)  # a new free port for every job
     # fork on a Linux CPU: the processes start in a moment instead of importing torch again (what they time
     # starts after start-up either way; the launch probes time the real spawn). CUDA does not survive a fork.
     fork = sys.platform == "linux" and args.device == "cpu"
@@ -243,13 +249,8 @@ def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     ctx = init_distributed_mode(args.device, spawn_rank=rank if args.probe == "spawn" else None,
                                 spawn_world_size=world_size if args.probe == "spawn" else None)
     try:
-        options = StepOptions.from_args(args, ctx.device)
-        model = build_model(args.model, 5).to(ctx.device, memory_format=options.memory_format)
-        model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
-                         comm_hook=args.comm_hook)
-        optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
-        args.warmup_steps, args.steps = 0, 1
-        train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5), ctx.device, 0, options)
+        model, optimizer, options = training_setup(args, ctx, num_classes=5)
+        train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0, options)
         synchronize(ctx)
         (Path(args.probe_dir) / f"rank{ctx.rank}").write_text(str(time.time()))
     finally:
