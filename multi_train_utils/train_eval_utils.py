@@ -102,6 +102,12 @@ class StepOptions:
         # NHWC: what tensor cores and oneDNN's fastest convolutions read.
         return torch.channels_last if self.channels_last else torch.preserve_format
 
+    def to_device(self, images: torch.Tensor, labels: torch.Tensor, device: torch.device,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch as the model takes it, on the training device (asynchronously from pinned memory)."""
+        images = images.to(device, non_blocking=True, memory_format=self.memory_format)
+        return images, labels.to(device, non_blocking=True)
+
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
@@ -135,8 +141,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     for step, (images, labels) in enumerate(progress):
         if step == 0 and on_first_batch is not None:
             on_first_batch(images, labels)
-        images = images.to(device, non_blocking=True, memory_format=options.memory_format)
-        labels = labels.to(device, non_blocking=True)
+        images, labels = options.to_device(images, labels, device)
         # The last group of an epoch may hold fewer than K batches; each batch weighs 1/(its group's size).
         group_start = step - step % options.accum_steps
         group_size = min(options.accum_steps, batches - group_start)
@@ -189,8 +194,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, total, summed loss
     for images, labels in tqdm(data_loader, desc="validate", file=sys.stdout, disable=not is_main_process(),
                                leave=False, dynamic_ncols=True):
-        images = images.to(device, non_blocking=True, memory_format=options.memory_format)
-        labels = labels.to(device, non_blocking=True)
+        images, labels = options.to_device(images, labels, device)
         with options.autocast():
             logits = model(images)
         sums[0] += (logits.argmax(dim=1) == labels).sum()
