@@ -11,13 +11,12 @@ from model import build_model
 from multi_train_utils.checkpoint import resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
+from multi_train_utils.ddp import wrap_ddp
 from multi_train_utils.distributed_utils import (
     DistContext,
-    cleanup,
     init_distributed_mode,
+    leave_process_group_at_exit,
     print_main,
-    raise_if_a_rank_stalled,
-    wrap_ddp,
 )
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.spawn_utils import processes_to_start, spawn_workers
@@ -31,13 +30,8 @@ def main(args: argparse.Namespace) -> None:
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
-    try:
+    with leave_process_group_at_exit(ctx):  # however train() ends, no rank is left waiting
         train(args, ctx)
-    except RuntimeError as err:
-        raise_if_a_rank_stalled(err, ctx)
-        raise
-    finally:
-        cleanup()
 
 
 def train(args: argparse.Namespace, ctx: DistContext) -> None:

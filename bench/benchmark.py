@@ -44,17 +44,10 @@ from demo_data import ensure_demo_dataset
 from model import build_model
 from multi_train_utils.cli import OneLineErrorParser, at_least, one_line, positive_float, str2bool
 from multi_train_utils.data import build_loaders, load_datasets
-from multi_train_utils.distributed_utils import (
-    COMM_HOOKS,
-    DistContext,
-    barrier,
-    cleanup,
-    cpu_threads_per_process,
-    init_distributed_mode,
-    single_process,
-    wrap_ddp,
-)
+from multi_train_utils.ddp import COMM_HOOKS, wrap_ddp
+from multi_train_utils.distributed_utils import DistContext, barrier, cleanup, init_distributed_mode, single_process
 from multi_train_utils.errors import UserInputError, report
+from multi_train_utils.launch import cpu_threads_per_process
 from multi_train_utils.spawn_utils import spawn_workers
 from multi_train_utils.train_eval_utils import AMP_CHOICES, StepOptions, build_optimizer, train_one_epoch
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main, unwrap_model
+from .ddp import unwrap_model
+from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main
 from .errors import UserInputError
 
 if TYPE_CHECKING:
@@ -60,7 +61,24 @@ def gather_rng_states() -> list[dict[str, Any]]:
     return states
 
 
-def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
+def to_cpu(tree: Any) -> Any:
+    """`tree` (a state dict, nested dicts and lists) with every tensor copied to the CPU, so that a file
+    saved on a GPU loads with a plain torch.load on a machine without one."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {key: to_cpu(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(value) for value in tree)
+    return tree
+
+
+def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain model's weights on the CPU: no `module.` or `_orig_mod.` prefix, loadable anywhere."""
+    return to_cpu(unwrap_model(model).state_dict())
+
+
+def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
                     rng_states: list[dict[str, Any]], args: dict[str, Any],
                     scaler: torch.amp.GradScaler) -> dict[str, Any]:
@@ -68,10 +86,33 @@ def make_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer,
     best accuracy so far, the random states of every rank, and the arguments (to check that a resumed run
     is the same run)."""
     return {
-        "model": unwrap_model(model).state_dict(), "optimizer": optimizer.state_dict(),
+        "model": weights, "optimizer": to_cpu(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "epoch": epoch, "best_acc": best_acc, "rng": rng_states, "args": args,
+        "epoch": epoch, "best_acc": best_acc, "rng": to_cpu(rng_states), "args": args,
     }
+
+
+# How an optimizer runs, not what it computes: they belong to this run (its device, its flags), not to
+# the run that saved the checkpoint.
+IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a saved optimizer state into this run's optimizer, whatever device and flags saved it.
+
+    load_state_dict takes every group option from the file. A CPU run saves fused=False; resumed on a GPU
+    with fp16, the fused step GradScaler expects would then refuse to run. Its buffers (momentum) also keep
+    the memory layout they were saved in, which fused SGD refuses after --channels-last changed.
+    """
+    own = [{key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, options in zip(optimizer.param_groups, own, strict=True):
+        group.update(options)
+    for param, param_state in optimizer.state.items():
+        for name, value in param_state.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                # empty_like keeps the parameter's device and strides (channels-last or not).
+                param_state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
@@ -142,7 +183,7 @@ def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistCont
         raise UserInputError(checkpoint)
     try:
         unwrap_model(model).load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        load_optimizer_state(optimizer, checkpoint["optimizer"])
     except (RuntimeError, ValueError) as err:
         saved = checkpoint.get("args", {})
         raise UserInputError(f"--resume {path}: saved from --model {saved.get('model')} on data with other "

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn
 
-from .distributed_utils import COMM_HOOKS
+from .ddp import COMM_HOOKS
 from .errors import Terminated, UserInputError, raise_on_sigterm, report
 from .train_eval_utils import AMP_CHOICES
 
@@ -108,6 +108,10 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
         "(default: a few on GPU machines, none on small CPUs)")
     add("--seed", type=int, default=0, help="seed for the split, the initial weights and the data order")
     add("--output-dir", default="output", help="folder for everything the run writes")
+    add("--save-every", type=at_least(1), default=1,
+        help="write the checkpoint every N epochs (and after the last); a resume goes back to the last one")
+    add("--keep-epoch-weights", type=str2bool, nargs="?", const=True, default=True,
+        help="keep weights/model-{epoch}.pth of every epoch; false: only best.pth and the checkpoint (true/false)")
     add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
         "is one (an attempt that torchrun restarted does this by itself)")
     if launcher == "spawn":
@@ -126,11 +130,16 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
 
 def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the flags and fill in the defaults that depend on whether the demo data is used."""
-    args = get_args_parser(launcher).parse_args(argv)
+    parser = get_args_parser(launcher)
+    args = parser.parse_args(argv)
     defaults = DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if getattr(args, "syncBN", False) and args.compile:
+        # torch.compile breaks its graph at every SyncBatchNorm, so the pair is slower than either alone.
+        parser.error("--syncBN with --compile: torch.compile breaks its graph at every SyncBatchNorm "
+                     "layer, which costs more than compiling saves; use one of the two")
     return args
 
 

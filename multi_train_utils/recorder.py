@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -14,8 +15,8 @@ from torch import nn
 
 from utils import batch_grid
 
-from .checkpoint import CHECKPOINT_NAME, save_atomic
-from .distributed_utils import DistContext, unwrap_model
+from .checkpoint import CHECKPOINT_NAME, model_weights, save_atomic
+from .distributed_utils import DistContext
 from .errors import UserInputError
 
 
@@ -44,6 +45,8 @@ class RunRecorder:
                  args: dict[str, Any], start_epoch: int = 0) -> None:
         self.enabled = ctx.is_main
         self.args = args
+        self.save_every = args.get("save_every", 1)
+        self.keep_epoch_weights = args.get("keep_epoch_weights", True)
         self.class_names = class_names
         self.output_dir = Path(output_dir)
         self.weights_dir = self.output_dir / "weights"
@@ -83,9 +86,17 @@ class RunRecorder:
         self.tensorboard.add_image("first_training_batch", np.asarray(grid), 0, dataformats="HWC")
         self.tensorboard.flush()
 
-    def end_epoch(self, model: nn.Module, metrics: dict[str, Any], checkpoint: dict[str, Any]) -> None:
-        """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, save the weights
-        and the checkpoint (each replaced in one step, so a crash leaves the previous one whole)."""
+    def checkpoint_due(self, epoch: int, last_epoch: int) -> bool:
+        """Whether a checkpoint is written after `epoch`: every --save-every epochs and after the last one.
+        Every rank gets the same answer, since every rank takes part in building a checkpoint."""
+        return (epoch + 1) % self.save_every == 0 or epoch == last_epoch
+
+    def end_epoch(self, model: nn.Module, metrics: dict[str, Any], improved: bool,
+                  checkpoint: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None) -> None:
+        """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, and save the
+        weights (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`) and the
+        checkpoint that `checkpoint(weights)` builds, each replaced in one step, so that a crash leaves
+        the previous one whole."""
         if not self.enabled:
             return
         epoch = metrics["epoch"]
@@ -98,12 +109,15 @@ class RunRecorder:
         for name in ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s"):
             self.tensorboard.add_scalar(name, metrics[name], epoch)
         self.tensorboard.flush()
-        # The plain model's weights: no "module." prefix, loadable without DDP.
-        weights = unwrap_model(model).state_dict()
-        save_atomic(weights, self.weights_dir / f"model-{epoch}.pth")
-        if metrics["val_acc"] >= checkpoint["best_acc"]:
+        if not (self.keep_epoch_weights or improved or checkpoint):
+            return
+        weights = model_weights(model)  # copied off the GPU once, for every file below
+        if self.keep_epoch_weights:
+            save_atomic(weights, self.weights_dir / f"model-{epoch}.pth")
+        if improved:
             save_atomic(weights, self.weights_dir / "best.pth")
-        save_atomic(checkpoint, self.output_dir / CHECKPOINT_NAME)
+        if checkpoint:
+            save_atomic(checkpoint(weights), self.output_dir / CHECKPOINT_NAME)
 
     def close(self) -> None:
         if self.enabled:

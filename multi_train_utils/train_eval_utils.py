@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,8 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .checkpoint import gather_rng_states, make_checkpoint
-from .distributed_utils import get_world_size, is_main_process, print_main, reduce_value, unwrap_model
+from .ddp import broadcast_buffers_from_main, unwrap_model
+from .distributed_utils import get_world_size, is_main_process, print_main, reduce_value
 from .errors import UserInputError
 
 if TYPE_CHECKING:
@@ -94,6 +96,11 @@ class StepOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: torch.device) -> StepOptions:
         dtype = autocast_dtype(args.amp, device)
+        if dtype == torch.float16 and getattr(args, "comm_hook", "none") == "fp16":
+            # PyTorch's fp16 hook casts the loss-scaled gradients to fp16 before dividing by the number of
+            # processes: the sum overflows at a world-size-times smaller gradient than training itself.
+            raise UserInputError("--comm-hook fp16 with fp16 autocast: the loss-scaled gradients overflow "
+                                 "float16 in the all-reduce; use --comm-hook bf16")
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         return cls(device.type, dtype, args.channels_last, args.accum_steps, scaler)
 
@@ -189,6 +196,7 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
     more or less never wait for each other); one all-reduce then adds the three sums.
     """
     options = options or StepOptions(device.type)
+    broadcast_buffers_from_main(model)  # every rank evaluates the model that rank 0 saves
     model = unwrap_model(model)  # uncompiled too: evaluating does not pay for a second compilation
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, total, summed loss
@@ -247,14 +255,18 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
         train_time = time.perf_counter() - started
         result = evaluate(model, val_loader, device, options)
         scheduler.step()
-        images = len(train_loader) * train_loader.batch_size * get_world_size()
+        improved = result.accuracy >= best_acc
         best_acc = max(best_acc, result.accuracy)
-        checkpoint = make_checkpoint(model, optimizer, scheduler, epoch, best_acc, gather_rng_states(), recorder.args,
-                                     options.scaler)
-        recorder.end_epoch(model, {
-            "epoch": epoch, "train_loss": train_loss, "val_loss": result.loss, "val_acc": result.accuracy,
-            "val_correct": result.correct, "val_total": result.total, "lr": lr,
-            "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
-            "world_size": get_world_size(),
-        }, checkpoint)
+        images = len(train_loader) * train_loader.batch_size * get_world_size()
+        metrics = {"epoch": epoch, "train_loss": train_loss, "val_loss": result.loss, "val_acc": result.accuracy,
+                   "val_correct": result.correct, "val_total": result.total, "lr": lr,
+                   "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
+                   "world_size": get_world_size()}
+        checkpoint = None
+        if recorder.checkpoint_due(epoch, last_epoch=epochs - 1):  # the same answer on every rank
+            # gather_rng_states is a collective, so every rank builds the checkpoint; rank 0 writes it.
+            checkpoint = partial(make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
+                                 best_acc=best_acc, rng_states=gather_rng_states(), args=recorder.args,
+                                 scaler=options.scaler)
+        recorder.end_epoch(model, metrics, improved, checkpoint)
     return result

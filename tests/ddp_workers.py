@@ -11,7 +11,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from multi_train_utils.data import UnpaddedDistributedSampler
-from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, unwrap_model, wrap_ddp
+from multi_train_utils.ddp import unwrap_model, wrap_ddp
+from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode
 from multi_train_utils.train_eval_utils import StepOptions, build_optimizer, evaluate, train_one_epoch
 
 EPOCHS = 3
@@ -96,10 +97,20 @@ def evaluation_loader(ctx: DistContext, count: int) -> DataLoader:
     return DataLoader(dataset, batch_size=2, sampler=UnpaddedDistributedSampler(count, ctx.world_size, ctx.rank))
 
 
+def skew_batchnorm(model: nn.Module, rank: int) -> nn.Module:
+    """Running statistics of this rank's own, as each rank's BatchNorm has after training on its own batches."""
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.fill_(0.1 + 2.0 * rank)
+            module.running_var.fill_(1.0 + rank)
+    return model
+
+
 def exact_evaluation_worker(rank: int, world_size: int, sizes: list[int], out: str) -> None:
     ctx = init_distributed_mode("cpu", spawn_rank=rank, spawn_world_size=world_size)
     try:
-        model = wrap_ddp(small_net(), ctx)
+        model = wrap_ddp(small_net(batchnorm=True), ctx)
+        skew_batchnorm(unwrap_model(model), rank)
         results = {count: evaluate(model, evaluation_loader(ctx, count), ctx.device) for count in sizes}
         torch.save({count: (r.correct, r.total, r.loss) for count, r in results.items()},
                    Path(out) / f"eval_rank{rank}.pth")

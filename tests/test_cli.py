@@ -74,3 +74,13 @@ def test_one_line_takes_the_original_message_out_of_a_data_loader_worker(tmp_pat
     assert one_line(caught.value).startswith(f"cannot read image {broken}: ")
     assert "\n" not in one_line(caught.value)
     assert one_line(ValueError("plain")) == "plain"
+
+
+def test_syncbn_with_compile_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.compile breaks its graph at every SyncBatchNorm layer."""
+    with pytest.raises(SystemExit) as stop:
+        parse_args("launch", ["--syncBN", "--compile"])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: --syncBN with --compile")
+    assert parse_args("launch", ["--syncBN", "false", "--compile"]).compile

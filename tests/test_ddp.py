@@ -121,7 +121,8 @@ def test_distributed_evaluation_equals_one_process(tmp_path: Path, rendezvous: N
     sizes = [7, 11]
     mp.spawn(ddp_workers.exact_evaluation_worker, args=(world_size, sizes, str(tmp_path)), nprocs=world_size)
     ctx = single_process("cpu")
-    model = ddp_workers.small_net()
+    # The model rank 0 saves: its own BatchNorm statistics, not an average of every rank's.
+    model = ddp_workers.skew_batchnorm(ddp_workers.small_net(batchnorm=True), rank=0)
     for rank in range(world_size):
         results = torch.load(tmp_path / f"eval_rank{rank}.pth", weights_only=True)
         for count in sizes:

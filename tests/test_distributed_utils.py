@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from conftest import requires_cuda
+from multi_train_utils import distributed_utils
+from multi_train_utils.ddp import wrap_ddp
 from multi_train_utils.distributed_utils import (
-    SLURM_PORT_BASE,
-    cpu_threads_per_process,
-    detect_launch,
-    first_host,
+    DistContext,
     get_rank,
     get_world_size,
+    init_distributed_mode,
     is_dist_avail_and_initialized,
     is_main_process,
+    leave_process_group_at_exit,
     reduce_value,
     resolve_device,
     single_process,
-    wrap_ddp,
+    use_device,
 )
 from multi_train_utils.errors import UserInputError
+from multi_train_utils.launch import (
+    SLURM_PORT_BASE,
+    check_one_gpu_per_process,
+    cpu_threads_per_process,
+    detect_launch,
+    first_host,
+)
 
 
 def test_torchrun_variables() -> None:
@@ -125,3 +135,81 @@ def test_helpers_work_without_a_process_group() -> None:
     model = torch.nn.Linear(2, 2)
     assert wrap_ddp(model, ctx, sync_bn=True) is model
     assert ctx.is_main and not ctx.distributed
+
+
+def torchrun_env(local_world_size: int) -> dict[str, str]:
+    return {"RANK": "0", "WORLD_SIZE": str(local_world_size), "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": str(local_world_size)}
+
+
+@pytest.mark.parametrize(("env", "visible", "flag"), [
+    (torchrun_env(2), 1, "--nproc_per_node 2"),
+    (torchrun_env(8), 4, "--nproc_per_node 8"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_GPUS_ON_NODE": "1"},
+     1, "--ntasks-per-node 2"),
+])
+def test_more_processes_than_gpus_on_a_machine_is_one_line_naming_the_flag(
+        env: dict[str, str], visible: int, flag: str) -> None:
+    with pytest.raises(UserInputError, match=f"^{flag}: .* but {visible} GPU\\(s\\)"):
+        check_one_gpu_per_process(detect_launch(env), visible, env)
+
+
+@pytest.mark.parametrize("env", [
+    torchrun_env(2),
+    # srun --gpus-per-task=1: each task sees only its own GPU, and SLURM says the node has enough.
+    {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "1", "SLURM_GPUS_ON_NODE": "4"},
+    {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "1"},
+])
+def test_one_gpu_per_process_is_allowed(env: dict[str, str]) -> None:
+    check_one_gpu_per_process(detect_launch(env), 1 if "SLURM_PROCID" in env else 2, env)
+
+
+def test_two_processes_on_one_gpu_stop_before_any_process_group_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun --nproc_per_node=2 on a one-GPU machine: NCCL would fail inside init_process_group."""
+    for name, value in torchrun_env(2).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+    def no_group(*args: object, **kwargs: object) -> None:
+        raise AssertionError("init_process_group was called")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", no_group)
+    monkeypatch.setattr(torch.cuda, "set_device", no_group)
+    with pytest.raises(UserInputError, match="--nproc_per_node 2: 2 processes on this machine but 1 GPU"):
+        init_distributed_mode("auto")
+
+
+def test_a_gpu_process_asks_cudnn_for_its_fastest_convolutions(monkeypatch: pytest.MonkeyPatch) -> None:
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    use_device(torch.device("cpu"))
+    assert not chosen and not torch.backends.cudnn.benchmark
+    use_device(torch.device("cuda", 1))
+    assert chosen == [torch.device("cuda", 1)] and torch.backends.cudnn.benchmark
+
+
+class FakeGroup:
+    """Stands in for torch.distributed's process-group functions; records which were called."""
+
+    def __init__(self, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: not self.calls)
+        monkeypatch.setattr(torch.distributed, "get_backend", lambda: backend)
+        monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: self.calls.append("destroy"))
+        monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group",
+                            lambda: self.calls.append("abort"))
+
+
+@pytest.mark.parametrize(("backend", "fails", "expected"), [
+    ("nccl", True, ["abort"]), ("nccl", False, ["destroy"]), ("gloo", True, ["destroy"])])
+def test_a_failed_rank_aborts_nccl_instead_of_waiting_for_the_others(
+        monkeypatch: pytest.MonkeyPatch, backend: str, fails: bool, expected: list[str]) -> None:
+    """destroy_process_group on NCCL waits for collectives that ranks still blocked may never finish."""
+    group = FakeGroup(backend, monkeypatch)
+    ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True)
+    with contextlib.suppress(ValueError), leave_process_group_at_exit(ctx):
+        if fails:
+            raise ValueError("a user error on this rank")
+    assert group.calls == expected

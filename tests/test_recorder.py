@@ -45,7 +45,7 @@ def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp
     with RunRecorder(tmp_path, single_process("cpu"), CLASSES, {"lr": 0.01, "model": "resnet18"}) as recorder:
         recorder.add_batch_grid(normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]), torch.tensor([0, 1, 2]))
         for epoch in range(3):
-            recorder.end_epoch(model, epoch_metrics(epoch), {"best_acc": 0.0})
+            recorder.end_epoch(model, epoch_metrics(epoch), improved=True)
     events = read_events(tmp_path)
     assert set(SCALARS) <= set(events.Tags()["scalars"])
     for name in SCALARS:
@@ -68,7 +68,7 @@ def test_other_ranks_write_nothing(tmp_path: Path) -> None:
                         distributed=True)
     with RunRecorder(tmp_path / "run", rank1, CLASSES, {}) as recorder:
         recorder.add_batch_grid(normalised_batch([(255, 0, 0)]), torch.tensor([0]))
-        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), {"best_acc": 0.0})
+        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=True)
     assert not (tmp_path / "run").exists()
 
 
@@ -83,3 +83,30 @@ def test_a_real_run_shows_every_scalar_per_epoch_and_its_first_batch(image_folde
     assert grid.step == 0
     with Image.open(io.BytesIO(grid.encoded_image_string)) as picture:
         assert picture.size == (4 * 128, 128 + 14), "the whole first batch of 4, one row"
+
+
+def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path) -> None:
+    """--save-every 2 --keep-epoch-weights false: the checkpoint after epochs 1, 3 and the last (4),
+    best.pth when the accuracy improved, and no model-{epoch}.pth."""
+    args = {"save_every": 2, "keep_epoch_weights": False}
+    written = []
+
+    def checkpoint(weights: dict[str, torch.Tensor]) -> dict:
+        written.append(epoch)
+        return {"model": weights, "epoch": epoch}
+
+    with RunRecorder(tmp_path, single_process("cpu"), CLASSES, args) as recorder:
+        for epoch in range(5):
+            due = recorder.checkpoint_due(epoch, last_epoch=4)
+            recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=epoch == 1,
+                               checkpoint=checkpoint if due else None)
+    assert written == [1, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["best.pth"]
+    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 4
+
+
+def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Path) -> None:
+    with RunRecorder(tmp_path, single_process("cpu"), CLASSES, {}) as recorder:
+        assert all(recorder.checkpoint_due(epoch, last_epoch=9) for epoch in range(10))
+        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=False)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["model-0.pth"]

@@ -15,7 +15,8 @@ import train_single_gpu
 from conftest import TINY_FLAGS, make_image_folder
 from multi_train_utils import checkpoint
 from multi_train_utils.cli import parse_args
-from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
+from multi_train_utils.ddp import unwrap_model, wrap_ddp
+from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.train_eval_utils import StepOptions, autocast_dtype, evaluate, train_one_epoch
 
@@ -95,7 +96,8 @@ def test_the_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
     scaler.update(new_scale=256.0)
-    saved = checkpoint.make_checkpoint(model, optimizer, scheduler, 0, 0.5, checkpoint.gather_rng_states(),
+    saved = checkpoint.make_checkpoint(checkpoint.model_weights(model), optimizer, scheduler, 0, 0.5,
+                                       checkpoint.gather_rng_states(),
                                        {"model": "small"}, scaler)
     checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
     options = StepOptions(scaler=torch.amp.GradScaler("cpu"))
@@ -107,7 +109,8 @@ def test_a_run_without_fp16_resumes_with_fp16(tmp_path: Path) -> None:
     """A disabled scaler saves nothing; loading that into an enabled one must not fail."""
     model = ddp_workers.small_net()
     optimizer, scheduler = ddp_workers.build_optimizer(model, lr=0.05, epochs=2)
-    saved = checkpoint.make_checkpoint(model, optimizer, scheduler, 0, 0.5, checkpoint.gather_rng_states(),
+    saved = checkpoint.make_checkpoint(checkpoint.model_weights(model), optimizer, scheduler, 0, 0.5,
+                                       checkpoint.gather_rng_states(),
                                        {"model": "small"}, StepOptions().scaler)
     assert saved["scaler"] == {}
     checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
@@ -153,3 +156,48 @@ def test_bad_speed_flags_are_one_line_errors() -> None:
         with pytest.raises(SystemExit) as stop:
             parse_args("launch", argv)
         assert stop.value.code == 2
+
+
+def trained_optimizer_state(fused: bool) -> dict:
+    """The optimizer state of a run with default-layout weights and the given fused setting (a CPU run)."""
+    model = nn.Conv2d(3, 4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    return optimizer.state_dict()
+
+
+def test_a_checkpoint_resumes_under_other_optimizer_options_and_memory_format() -> None:
+    """Saved by a CPU run (not fused, NCHW), resumed by a fused, channels-last, loss-scaled run: the fused
+    step refuses the saved options ("Expected grad_scale and found_inf to be None") unless they are fitted."""
+    model = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5, fused=True)
+    saved = trained_optimizer_state(fused=False)
+    checkpoint.load_optimizer_state(optimizer, saved)
+    group = optimizer.param_groups[0]
+    assert group["fused"] is True, "how to run is this run's choice"
+    assert (group["lr"], group["momentum"]) == (0.1, 0.9), "what to compute comes from the checkpoint"
+    momentum = optimizer.state[model.weight]["momentum_buffer"]
+    assert momentum.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(momentum, saved["state"][0]["momentum_buffer"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    scaler.scale(torch.zeros((), requires_grad=True)).backward()
+    scaler.step(optimizer)  # raised before the options were fitted
+
+
+def test_checkpoint_tensors_are_saved_on_the_cpu() -> None:
+    moved = checkpoint.to_cpu({"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "text"})
+    assert moved["a"][0].device.type == "cpu" and isinstance(moved["a"][1], tuple) and moved["b"] == "text"
+
+
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled")
+@pytest.mark.parametrize("amp", ["fp16", "auto"])
+def test_fp16_gradients_are_not_sent_as_fp16(monkeypatch: pytest.MonkeyPatch, amp: str) -> None:
+    """PyTorch's fp16 hook casts loss-scaled gradients to fp16 before dividing by the world size."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    args = parse_args("launch", ["--amp", amp, "--comm-hook", "fp16"])
+    with pytest.raises(UserInputError, match="--comm-hook fp16 with fp16 autocast"):
+        StepOptions.from_args(args, torch.device("cuda"))
+    assert StepOptions.from_args(parse_args("launch", ["--amp", amp, "--comm-hook", "bf16"]),
+                                 torch.device("cuda")).amp_dtype == torch.float16
