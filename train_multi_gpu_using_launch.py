@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 train_multi_gpu_using_launch.py --data-path flower_photos
     python -m torch.distributed.launch --nproc_per_node=2 --use_env train_multi_gpu_using_launch.py
-    srun --ntasks=8 --gpus-per-task=1 python train_multi_gpu_using_launch.py     # SLURM
+    srun --ntasks-per-node=8 --gpus-per-node=8 python train_multi_gpu_using_launch.py   # SLURM
     python train_multi_gpu_using_launch.py                                       # one process
 
 The launcher starts the processes and tells each its rank through RANK, WORLD_SIZE and LOCAL_RANK.

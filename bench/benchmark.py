@@ -20,6 +20,7 @@ one JSON object with every figure; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -68,9 +69,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--model", default="resnet34")
     add("--image-size", type=at_least(16), default=64)
     add("--batch-size", type=at_least(1), default=16, help="images per batch in each process")
-    add("--steps", type=at_least(1), default=6, help="timed batches per process")
-    add("--warmup-steps", type=at_least(0), default=2, help="batches before the clock starts")
-    add("--repeats", type=at_least(1), default=3, help="times the --steps are timed; the median counts")
+    add("--steps", type=at_least(1), default=None, help="timed batches per process in each repeat (default: 6 "
+        "on a CPU, 50 on a GPU, where a step takes milliseconds)")
+    add("--warmup-steps", type=at_least(0), default=None, help="batches before the clock starts (default: 2 on a "
+        "CPU, 20 on a GPU; the image folder adds two per data-loader worker, to drain the batches they made early)")
+    add("--repeats", type=at_least(1), default=2, help="timed runs of --steps in each start of a configuration, "
+        "one after the other from the same data iterator")
+    add("--rounds", type=at_least(1), default=2, help="starts of every configuration, taken in turn (single, ddp, "
+        "nosync, single, ...), so that a slow spell of the machine hits all of them alike")
     add("--data-path", default=None, help="image folder for (b); default: the demo data at photo size, "
         f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} JPEGs, written once to {PHOTOS_ROOT.relative_to(REPO)}")
     add("--workers", type=at_least(0), default=None, help="data-loader processes per process (default: the "
@@ -148,7 +154,8 @@ def training_setup(args: argparse.Namespace, ctx: DistContext, num_classes: int,
 
 
 def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    """Train --warmup-steps then --steps batches in one configuration; write this rank's figures."""
+    """Train --warmup-steps, then --repeats times --steps batches, all from one data iterator, in one
+    configuration; write this rank's figures."""
     if args.mode == "single":
         ctx = single_process(args.device)
         if ctx.device.type == "cpu":
@@ -157,24 +164,17 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
         ctx = init_distributed_mode(args.device, spawn_rank=rank, spawn_world_size=world_size)
     try:
         torch.manual_seed(rank)
-        if args.source == "folder":
-            data = load_datasets(args.data_path, args.image_size, ctx)
-            num_classes = data.num_classes
-            loader, _ = build_loaders(data, args.batch_size, ctx, args.workers)
-            warmup, timed = Batches(loader, args.warmup_steps), Batches(loader, args.steps)
-        else:
-            num_classes = 5
-            batches = synthetic_loader(args, ctx, num_classes, args.warmup_steps + args.steps)
-            warmup, timed = batches[:args.warmup_steps], batches[args.warmup_steps:]
+        batches, num_classes, warmup_steps = training_batches(args, ctx)
         model, optimizer, options = training_setup(args, ctx, num_classes)
         options.sync_gradients = args.mode != "nosync"
-        if warmup:
-            train_one_epoch(model, optimizer, warmup, ctx.device, epoch=0, options=options)
+        if warmup_steps:
+            train_one_epoch(model, optimizer, Take(batches, warmup_steps), ctx.device, epoch=0, options=options)
         seconds = []
         for repeat in range(args.repeats):
             synchronize(ctx)
             started = time.perf_counter()
-            train_one_epoch(model, optimizer, timed, ctx.device, epoch=1 + repeat, options=options)
+            train_one_epoch(model, optimizer, Take(batches, args.steps), ctx.device, epoch=1 + repeat,
+                            options=options)
             synchronize(ctx)
             seconds.append(time.perf_counter() - started)
         figures = {"seconds": seconds, "images": args.steps * args.batch_size, "peak_memory_mb": peak_memory_mb(ctx)}
@@ -183,6 +183,32 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
         (Path(args.result_dir) / f"{args.mode}_{args.source}_rank{rank}.json").write_text(json.dumps(figures))
     finally:
         cleanup()
+
+
+def training_batches(args: argparse.Namespace, ctx: DistContext) -> tuple[Iterator, int, int]:
+    """One iterator over every batch this configuration trains on, the number of classes, and the
+    warm-up steps. Data-loader workers start by filling their queue (two batches each) while the model is
+    built; the warm-up drains those, so the clock sees the workers' steady pace, not their head start."""
+    total = args.warmup_steps + args.repeats * args.steps
+    if args.source == "synthetic":
+        return iter(synthetic_loader(args, ctx, 5, total)), 5, args.warmup_steps
+    data = load_datasets(args.data_path, args.image_size, ctx)
+    loader, _ = build_loaders(data, args.batch_size, ctx, args.workers)
+    warmup_steps = args.warmup_steps + 2 * loader.num_workers
+    return iter(Batches(loader, total + 2 * loader.num_workers)), data.num_classes, warmup_steps
+
+
+class Take:
+    """The next `count` batches of `batches`, with a length, as the training loop wants a loader."""
+
+    def __init__(self, batches: Iterator, count: int) -> None:
+        self.batches, self.count = batches, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator:
+        return itertools.islice(self.batches, self.count)
 
 
 def synchronize(ctx: DistContext) -> None:
@@ -217,7 +243,8 @@ def peak_memory_mb(ctx: DistContext) -> float:
 
 
 def run_configuration(args: argparse.Namespace, mode: str, source: str, result_dir: Path) -> dict:
-    """Start fresh processes for one configuration and combine their figures."""
+    """Start fresh processes for one configuration and combine their figures: images/s of each repeat
+    (every process's images over the time of the slowest), peak memory, all-reduce time."""
     nprocs = 1 if mode == "single" else args.nproc
     config = argparse.Namespace(**vars(args), mode=mode, source=source, result_dir=str(result_dir))
     # fork on a Linux CPU: the processes start in a moment instead of importing torch again (what they time
@@ -225,16 +252,25 @@ def run_configuration(args: argparse.Namespace, mode: str, source: str, result_d
     fork = sys.platform == "linux" and args.device == "cpu"
     spawn_workers(measure, nprocs, config, start_method="fork" if fork else "spawn")
     ranks = [json.loads((result_dir / f"{mode}_{source}_rank{r}.json").read_text()) for r in range(nprocs)]
-    # Each repeat takes as long as its slowest process; the median repeat shrugs off a moment when
-    # something else on the machine took a core.
-    seconds = statistics.median(max(times) for times in zip(*(r["seconds"] for r in ranks), strict=True))
-    figures = {"images_per_s": sum(r["images"] for r in ranks) / seconds, "step_time_s": seconds / args.steps,
+    images = sum(r["images"] for r in ranks)
+    figures = {"images_per_s": [images / max(times) for times in zip(*(r["seconds"] for r in ranks), strict=True)],
                "peak_memory_mb": max(r["peak_memory_mb"] for r in ranks)}
     if mode == "ddp":
-        figures["allreduce_s"] = max(r["allreduce_s"] for r in ranks)
-    print(f"{mode:>6} {source:>9}: {figures['images_per_s']:7.1f} images/s, {figures['step_time_s']:.3f} s "
-          f"per step, peak {figures['peak_memory_mb']:.0f} MB per process", file=sys.stderr, flush=True)
+        figures["allreduce_s"] = [max(r["allreduce_s"] for r in ranks)]
+    print(f"{mode:>6} {source:>9}: {statistics.median(figures['images_per_s']):7.1f} images/s "
+          f"({', '.join(f'{x:.1f}' for x in figures['images_per_s'])}), peak {figures['peak_memory_mb']:.0f} MB "
+          "per process", file=sys.stderr, flush=True)
     return figures
+
+
+def add_round(results: dict[str, dict], round_figures: dict[str, dict]) -> None:
+    """Add one round's figures of every configuration to those of the rounds before."""
+    for mode, figures in round_figures.items():
+        if mode not in results:
+            results[mode] = {"images_per_s": [], "allreduce_s": [], "peak_memory_mb": 0.0}
+        results[mode]["images_per_s"] += figures["images_per_s"]
+        results[mode]["allreduce_s"] += figures.get("allreduce_s", [])
+        results[mode]["peak_memory_mb"] = max(results[mode]["peak_memory_mb"], figures["peak_memory_mb"])
 
 
 def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -305,12 +341,16 @@ def benchmark(args: argparse.Namespace) -> dict:
                              "(NCCL needs one GPU per process)")
     if args.data_path is None:
         args.data_path = str(ensure_photo_folder())
+    on_gpu = args.device == "cuda"
+    args.steps = args.steps or (50 if on_gpu else 6)
+    args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (20 if on_gpu else 2)
     results: dict[str, dict[str, dict]] = {source: {} for source in SOURCES}
     with tempfile.TemporaryDirectory() as scratch:
         modes = MODES if args.nproc > 1 else ("single",)
-        for source in SOURCES:
-            for mode in modes:
-                results[source][mode] = run_configuration(args, mode, source, Path(scratch))
+        for _ in range(args.rounds):
+            for source in SOURCES:
+                add_round(results[source], {mode: run_configuration(args, mode, source, Path(scratch))
+                                            for mode in modes})
         launch = {}
         if not args.skip_launch:
             for launcher in ("torchrun", "spawn"):
@@ -322,43 +362,63 @@ def benchmark(args: argparse.Namespace) -> dict:
     return summarize(args, results, launch, gradient_mb, train_images)
 
 
+def spread(values: list[float] | None) -> list[float] | None:
+    """[min, median, max]: a difference smaller than this spread is noise."""
+    return [min(values), statistics.median(values), max(values)] if values else None
+
+
+def paired_ratios(numerators: list[float] | None, denominators: list[float] | None) -> list[float] | None:
+    """The ratio of each repeat to the repeat of the other configuration taken at the same point of the
+    same round: the two ran minutes apart at most, so drift of the machine cancels out."""
+    if not numerators or not denominators:
+        return None
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
+
+
+def images_per_step(args: argparse.Namespace, mode: str) -> int:
+    return args.batch_size * (1 if mode == "single" else args.nproc)
+
+
 def summarize(args: argparse.Namespace, results: dict[str, dict[str, dict]], launch: dict[str, float],
               gradient_mb: float, train_images: int) -> dict:
-    """The figures of every configuration, and the ratios between them, as one JSON-ready dict; None for
-    what was not measured (ddp and nosync with --nproc 1)."""
+    """The median figures of every configuration, the ratios between them, and the spread of each, as one
+    JSON-ready dict; None for what was not measured (ddp and nosync with --nproc 1)."""
     synthetic, folder = results["synthetic"], results["folder"]
 
-    def speed(figures: dict[str, dict], mode: str) -> float | None:
+    def speeds(figures: dict[str, dict], mode: str) -> list[float] | None:
         return figures[mode]["images_per_s"] if mode in figures else None
 
-    def ratio(numerator: float | None, denominator: float | None) -> float | None:
-        return numerator / denominator if numerator is not None and denominator else None
+    lists = {
+        "single_images_per_s": speeds(synthetic, "single"), "ddp_images_per_s": speeds(synthetic, "ddp"),
+        "nosync_images_per_s": speeds(synthetic, "nosync"),
+        "scaling_efficiency": paired_ratios(speeds(synthetic, "ddp"), speeds(synthetic, "single")),
+        "comm_overhead": [1 - r for r in paired_ratios(speeds(synthetic, "ddp"), speeds(synthetic, "nosync")) or []],
+        "pipeline_ratio": paired_ratios(speeds(folder, "ddp"), speeds(synthetic, "ddp")),
+        "pipeline_ratio_single": paired_ratios(speeds(folder, "single"), speeds(synthetic, "single")),
+        "folder_single_images_per_s": speeds(folder, "single"), "folder_ddp_images_per_s": speeds(folder, "ddp"),
+        "folder_nosync_images_per_s": speeds(folder, "nosync"),
+        "folder_scaling_efficiency": paired_ratios(speeds(folder, "ddp"), speeds(folder, "single")),
+    }
+    medians = {key: statistics.median(values) if values else None for key, values in lists.items()}
 
     def epoch_time(mode: str) -> float | None:
-        return ratio(train_images, speed(folder, mode))
+        speed = medians[f"folder_{mode}_images_per_s"]
+        return train_images / speed if speed else None
 
     return {
-        "single_images_per_s": speed(synthetic, "single"),
-        "ddp_images_per_s": speed(synthetic, "ddp"),
-        "nosync_images_per_s": speed(synthetic, "nosync"),
+        **medians,
         "world_size": args.nproc,
-        "scaling_efficiency": ratio(speed(synthetic, "ddp"), speed(synthetic, "single")),
-        "comm_overhead": 1 - ratio(speed(synthetic, "ddp"), speed(synthetic, "nosync")) if "ddp" in synthetic else None,
-        "pipeline_ratio": ratio(speed(folder, "ddp"), speed(synthetic, "ddp")),
-        "pipeline_ratio_single": ratio(speed(folder, "single"), speed(synthetic, "single")),
-        "folder_single_images_per_s": speed(folder, "single"),
-        "folder_ddp_images_per_s": speed(folder, "ddp"),
-        "folder_nosync_images_per_s": speed(folder, "nosync"),
-        "folder_scaling_efficiency": ratio(speed(folder, "ddp"), speed(folder, "single")),
         "time_to_first_step_s": launch,
         "peak_memory_mb": {mode: figures["peak_memory_mb"] for mode, figures in synthetic.items()},
-        "step_time_s": {mode: figures["step_time_s"] for mode, figures in synthetic.items()},
+        "step_time_s": {mode: images_per_step(args, mode) / medians[f"{mode}_images_per_s"] for mode in synthetic},
         # What the README's explanation of the limit needs: the bytes each step all-reduces, and how long
         # one all-reduce of them takes alone.
         "gradient_mb": gradient_mb,
-        "allreduce_s": synthetic["ddp"]["allreduce_s"] if "ddp" in synthetic else None,
+        "allreduce_s": statistics.median(synthetic["ddp"]["allreduce_s"]) if "ddp" in synthetic else None,
         # An epoch of the image folder's training split, at the folder's speed.
         "epoch_time_s": {"images": train_images, "single": epoch_time("single"), "ddp": epoch_time("ddp")},
+        # Every figure above as [min, median, max] over all repeats of all rounds.
+        "spread": {key: spread(values) for key, values in lists.items()},
         "workload": {k: v for k, v in vars(args).items() if k not in ("probe", "probe_dir", "skip_launch", "output")},
         "machine": machine(),
     }

@@ -26,6 +26,15 @@ def small_net(batchnorm: bool = False) -> nn.Module:
                          nn.Linear(24, 3))
 
 
+def exact_gpu_math() -> None:
+    """Full float32 on GPUs, with fixed convolution algorithms, so that GPU results compare to 1e-5: TF32
+    rounds matrix products to 10 bits, and cudnn.benchmark may pick a different algorithm per process."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
 def fixed_data(count: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(count, 3, 8, 8, generator=generator),
@@ -81,6 +90,7 @@ def equal_weights_worker(rank: int, world_size: int, samples: int, out: str, cas
                          device: str = "cpu") -> None:
     """Train each case in turn in one process group (one start-up for them all); save rank{r}_{name}.pth."""
     ctx = init_distributed_mode(device, spawn_rank=rank, spawn_world_size=world_size)
+    exact_gpu_math()
     try:
         for name, case in cases.items():
             options = StepOptions(ctx.device.type, accum_steps=case.accum_steps, sync_gradients=case.sync_gradients)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import REPO, make_image_folder
+from conftest import REPO, make_image_folder, python, run
 
 REQUIRED_KEYS = {"single_images_per_s", "ddp_images_per_s", "nosync_images_per_s", "world_size", "scaling_efficiency",
                  "comm_overhead", "pipeline_ratio", "time_to_first_step_s", "peak_memory_mb", "workload"}
@@ -29,18 +29,21 @@ def load_script(name: str) -> ModuleType:
 
 benchmark = load_script("benchmark")
 plot_benchmark = load_script("plot_benchmark")
+gpu_check = load_script("gpu_check")
 
 
 def bench_args(**overrides: object) -> argparse.Namespace:
-    argv = ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2", "--warmup-steps", "1"]
+    argv = ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2", "--warmup-steps", "1",
+            "--rounds", "1"]
     args = benchmark.get_args_parser().parse_args(argv)
     return argparse.Namespace(**{**vars(args), **overrides})
 
 
 def made_up_results() -> dict[str, dict[str, dict]]:
+    """Two repeats of each configuration: the median of two is their mean."""
     def figures(images_per_s: float) -> dict:
-        return {"images_per_s": images_per_s, "step_time_s": 32 / images_per_s, "peak_memory_mb": 900.0,
-                "allreduce_s": 0.1}
+        return {"images_per_s": [images_per_s - 1, images_per_s + 1], "peak_memory_mb": 900.0,
+                "allreduce_s": [0.1, 0.3]}
 
     return {"synthetic": {"single": figures(40.0), "ddp": figures(38.0), "nosync": figures(50.0)},
             "folder": {"single": figures(36.0), "ddp": figures(34.2), "nosync": figures(45.0)}}
@@ -49,10 +52,15 @@ def made_up_results() -> dict[str, dict[str, dict]]:
 def test_the_summary_holds_every_figure_and_the_ratios_between_them() -> None:
     summary = benchmark.summarize(bench_args(), made_up_results(), {"torchrun": 9.0, "spawn": 11.0}, 81.2, 480)
     assert set(summary) >= REQUIRED_KEYS
-    assert summary["scaling_efficiency"] == pytest.approx(38.0 / 40.0)
-    assert summary["comm_overhead"] == pytest.approx(1 - 38.0 / 50.0)
-    assert summary["pipeline_ratio"] == pytest.approx(34.2 / 38.0)
+    # Ratios pair each repeat with the other configuration's repeat of the same round.
+    assert summary["scaling_efficiency"] == pytest.approx((37 / 39 + 39 / 41) / 2)
+    assert summary["comm_overhead"] == pytest.approx(1 - (37 / 49 + 39 / 51) / 2)
+    assert summary["pipeline_ratio"] == pytest.approx((33.2 / 37 + 35.2 / 39) / 2)
     assert summary["epoch_time_s"] == {"images": 480, "single": 480 / 36.0, "ddp": 480 / 34.2}
+    assert summary["single_images_per_s"] == 40.0 and summary["allreduce_s"] == pytest.approx(0.2)
+    assert summary["spread"]["ddp_images_per_s"] == [37.0, 38.0, 39.0]
+    assert summary["spread"]["scaling_efficiency"] == pytest.approx([37 / 39, (37 / 39 + 39 / 41) / 2, 39 / 41])
+    assert summary["step_time_s"]["ddp"] == pytest.approx(2 * 2 / 38.0), "2 processes x batch 2 per step"
     assert summary["workload"]["model"] == "resnet18" and "probe" not in summary["workload"]
     json.dumps(summary)  # printable as the last line
 
@@ -62,7 +70,8 @@ def test_with_one_process_only_its_own_figures_are_given() -> None:
     one = {source: {"single": figures} for source, figures in
            ((source, made_up_results()[source]["single"]) for source in ("synthetic", "folder"))}
     summary = benchmark.summarize(bench_args(nproc=1), one, {}, 81.2, 480)
-    assert summary["single_images_per_s"] == 40.0 and summary["pipeline_ratio_single"] == pytest.approx(0.9)
+    assert summary["single_images_per_s"] == 40.0
+    assert summary["pipeline_ratio_single"] == pytest.approx((35 / 39 + 37 / 41) / 2)
     assert summary["ddp_images_per_s"] is summary["scaling_efficiency"] is summary["comm_overhead"] is None
     assert summary["epoch_time_s"]["ddp"] is None and set(summary["peak_memory_mb"]) == {"single"}
     json.dumps(summary)
@@ -92,6 +101,16 @@ def test_one_process_measures_images_per_second_and_memory(tmp_path: Path, sourc
     assert len(figures["seconds"]) == args.repeats and min(figures["seconds"]) > 0
 
 
+def test_repeats_go_on_from_one_iterator_after_a_warm_up_that_drains_the_workers_queue(tmp_path: Path) -> None:
+    """A new iterator per repeat would time the workers refilling their queue instead of training."""
+    data = make_image_folder(tmp_path / "images", {"a": 6, "b": 6})
+    args = bench_args(source="folder", data_path=str(data), workers=2, repeats=3)
+    batches, num_classes, warmup = benchmark.training_batches(args, benchmark.single_process("cpu"))
+    assert (num_classes, warmup) == (2, 1 + 2 * 2)
+    taken = [len(list(benchmark.Take(batches, count))) for count in (warmup, 2, 2, 2)]
+    assert taken == [5, 2, 2, 2] and next(batches, None) is None, "one iterator, exactly as long as needed"
+
+
 def test_the_picture_is_drawn_from_result_files(tmp_path: Path) -> None:
     summary = benchmark.summarize(bench_args(), made_up_results(), {}, 81.2, 480)
     tuned = {**summary, "workload": {**summary["workload"], "accum_steps": 4, "comm_hook": "bf16"}}
@@ -110,3 +129,23 @@ def test_a_file_that_is_not_a_result_is_one_line_naming_it(tmp_path: Path) -> No
     wrong.write_text('{"epoch": 0}')
     with pytest.raises(SystemExit, match=r"^error: .*metrics\.json: not a benchmark result"):
         plot_benchmark.read_results(wrong)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
+def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu(tmp_path: Path) -> None:
+    result = run([python(), str(REPO / "bench" / "gpu_check.py"), "--output", str(tmp_path / "gpu.json")], timeout=120)
+    assert result.returncode == 0
+    assert result.stdout.splitlines() == [
+        "gpu_check: no CUDA GPU is visible here, so there is nothing to check; run it on a GPU machine"]
+    assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_gpu_check_counts_the_tests_of_a_junit_report(tmp_path: Path) -> None:
+    report = tmp_path / "tests.xml"
+    report.write_text('''<testsuites><testsuite name="pytest">
+        <testcase classname="t" name="test_a"/><testcase classname="t" name="test_b"><failure message="x"/></testcase>
+        <testcase classname="t" name="test_c"><skipped message="needs 2 CUDA GPUs"/></testcase>
+        <testcase classname="t" name="test_d"><error message="fixture"/></testcase>
+    </testsuite></testsuites>''')
+    assert gpu_check.count_results(report) == {"passed": 1, "failed": 2, "skipped": 1,
+                                               "failures": ["test_b", "test_d"]}

@@ -46,8 +46,9 @@ TINY_OVERRIDES = {
     "utils.py": ["--data-path", "{data}", "--image-size", "16", "--batch-size", "4"],
     "plot_runs.py": [],
     "bench/benchmark.py": ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2",
-                           "--warmup-steps", "1", "--repeats", "1"],
+                           "--warmup-steps", "1", "--repeats", "1", "--rounds", "1"],
     "bench/plot_benchmark.py": [],
+    "bench/gpu_check.py": [],  # without a GPU: one line, exit 0
 }
 COMMAND_TIMEOUT_S = 150
 
