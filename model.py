@@ -9,6 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
+from multi_train_utils.checkpoint import load_file
 from multi_train_utils.distributed_utils import print_main
 from multi_train_utils.errors import UserInputError
 
@@ -18,11 +19,15 @@ def model_names() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
-def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
-    """A freshly initialised torchvision classification model with `num_classes` outputs."""
+def check_model_name(name: str) -> None:
     if name not in model_names():
         raise UserInputError(f"--model {name!r}: not a torchvision classification model "
                              f"(for example resnet18, resnet34, resnet50, mobilenet_v3_small, efficientnet_b0)")
+
+
+def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
+    """A freshly initialised torchvision classification model with `num_classes` outputs."""
+    check_model_name(name)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
@@ -45,12 +50,7 @@ def freeze_all_but_classifier(model: nn.Module) -> None:
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Tensors from a plain state dict or from one of our checkpoints; `module.` prefixes removed."""
-    try:
-        # weights_only: a .pth file is a pickle, and unpickling an untrusted one can run any code.
-        content = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise UserInputError(f"--weights {path}: not a PyTorch weights file ({err.__class__.__name__}: "
-                             f"{str(err).splitlines()[0]})") from None
+    content = load_file(path, "--weights")
     if isinstance(content, dict) and isinstance(content.get("model"), dict):
         content = content["model"]
     if not isinstance(content, dict) or not all(isinstance(v, torch.Tensor) for v in content.values()):
@@ -58,19 +58,50 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix("module."): v for k, v in content.items()}
 
 
-def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:
-    """torchvision's published weights, such as DEFAULT or IMAGENET1K_V1 (needs the network once)."""
+def weights_enum(model_name: str, weights_name: str) -> torchvision.models.WeightsEnum:
+    """torchvision's published weights of that name, such as DEFAULT or IMAGENET1K_V1."""
     try:
-        weights = torchvision.models.get_model_weights(model_name)[weights_name]
+        return torchvision.models.get_model_weights(model_name)[weights_name]
     except KeyError:
         raise UserInputError(f"--weights {weights_name}: no such file, and not a torchvision weights "
                              f"name for {model_name} (one of DEFAULT, "
                              f"{', '.join(torchvision.models.get_model_weights(model_name).__members__)})") from None
+
+
+def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:
+    """torchvision's published weights (needs the network once)."""
+    weights = weights_enum(model_name, weights_name)
     try:
         return weights.get_state_dict(progress=False)
     except Exception as err:
         raise UserInputError(f"--weights {weights_name}: could not download {weights.url} ({err}); download "
                              "it elsewhere and pass the file's path instead") from None
+
+
+def check_weights_source(model_name: str, source: str) -> None:
+    """--weights names a file that exists, or weights torchvision publishes for this model."""
+    if not Path(source).exists():
+        weights_enum(model_name, source)
+    elif Path(source).is_dir():
+        raise UserInputError(f"--weights {source}: is a folder; name the .pth file inside it")
+
+
+def check_model_input(name: str, image_size: int, batch_size: int) -> None:
+    """Train the model for one forward pass on the meta device (shapes only: no memory, no arithmetic) with
+    a batch as training gives it. An image size the model cannot take, or a batch of one image, which
+    BatchNorm cannot normalise, then fails in a second with one line, not after a whole epoch."""
+    check_model_name(name)
+    try:
+        with torch.device("meta"):
+            model = create_model(name, num_classes=2)
+        model.train()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+    except NotImplementedError:
+        return  # this model cannot be built without memory: its first real step will tell
+    except (RuntimeError, ValueError, AssertionError) as err:
+        flag = "--batch-size" if "more than 1 value per channel" in str(err) else "--image-size"
+        raise UserInputError(f"{flag} {batch_size if flag == '--batch-size' else image_size}: {name} cannot train "
+                             f"on batches of {batch_size} images of {image_size} x {image_size} px "
+                             f"({str(err).splitlines()[0]})") from None
 
 
 def load_weights(model: nn.Module, source: str, model_name: str) -> None:
@@ -79,7 +110,7 @@ def load_weights(model: nn.Module, source: str, model_name: str) -> None:
     A classifier trained for another number of classes does not fit and keeps its fresh initialisation.
     """
     path = Path(source)
-    state = read_state_dict(path) if path.is_file() else download_state_dict(model_name, source)
+    state = read_state_dict(path) if path.exists() else download_state_dict(model_name, source)
     own = model.state_dict()
     fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fitting:

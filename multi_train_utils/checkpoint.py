@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,6 +126,9 @@ def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> P
         return existing if existing.is_file() else None
     if resume:
         path = Path(resume)
+        if path.is_dir():
+            raise UserInputError(f"--resume {resume}: is a folder; name its {CHECKPOINT_NAME}, or use --resume auto "
+                                 "with --output-dir set to that folder")
         if not path.is_file():
             raise UserInputError(f"--resume {resume}: no such file")
         return path
@@ -134,12 +138,29 @@ def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> P
     return None
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
+def load_file(path: Path, flag: str) -> Any:
+    """torch.load of a file the user named, restricted to tensors and plain data (`weights_only`: a .pth file
+    is a pickle, and unpickling an untrusted one can run any code); a file that is not such a file ends in
+    one line of our own words, naming the flag and the file."""
+    if path.is_dir():
+        raise UserInputError(f"{flag} {path}: is a folder; name the .pth file inside it")
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserInputError(f"{flag} {path}: is empty (0 bytes), perhaps a copy or download that broke off")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise UserInputError(f"--resume {path}: not a checkpoint of this project ({str(err).splitlines()[0]})"
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" not in str(err):
+            raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
+                                 ) from None
+        raise UserInputError(f"{flag} {path}: holds Python objects besides tensors, which are not loaded because "
+                             "loading them could run any code; save a state_dict of tensors instead") from None
+    except Exception:
+        raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
                              ) from None
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    checkpoint = load_file(path, "--resume")
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scheduler", "epoch"} <= set(checkpoint):
         raise UserInputError(f"--resume {path}: not a checkpoint of this project (a plain weights file? "
                              "start from it with --weights instead)")

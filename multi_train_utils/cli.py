@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Literal, NoReturn
 
 from .ddp import COMM_HOOKS
-from .errors import Terminated, UserInputError, raise_on_sigterm, report
+from .errors import QuietExit, Terminated, UserInputError, raise_on_sigterm, report
+from .launch import detect_launch
 from .train_eval_utils import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
@@ -30,7 +36,7 @@ def str2bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def at_least(low: int) -> Callable[[str], int]:
+def at_least(low: int, at_most: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -38,49 +44,100 @@ def at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be at most {at_most}, got {value}")
         return value
 
     parse.__name__ = f"integer >= {low}"
     return parse
 
 
-def positive_float(text: str) -> float:
+def positive_float(text: str, at_most: float = math.inf) -> float:
+    """A finite number above 0 (and at most `at_most`): "inf" and "nan" parse as floats, but train nothing."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    if value > at_most:
+        raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    return positive_float(text, at_most=1.0)
+
+
+# Far beyond what is useful, short of what exhausts a machine: a value past these is a typo.
+MAX_IMAGE_SIZE = 4096
+MAX_SEED = 2**31 - 1  # NumPy takes seeds up to 2**32 - 1, and each rank adds its rank
+WORKERS_PER_CPU = 4
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, "") or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad flag in one line, like every other mistake, instead of the whole usage first."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        # Under torchrun or srun every process parses the same flags: one of them says what is wrong.
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n" if launched_as_rank_zero() else None)
+
+
+def launched_as_rank_zero() -> bool:
+    return detect_launch(os.environ).rank == 0
 
 
 def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
     """The flags of one script; multi-process flags only where they apply."""
-    parser = OneLineErrorParser(add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineErrorParser(add_help=add_help, formatter_class=DefaultsOnceFormatter)
+    add_data_flags(parser)
+    add_training_flags(parser, launcher)
+    add_speed_flags(parser, launcher)
+    add_output_flags(parser)
+    if launcher != "single":
+        add_process_flags(parser, launcher)
+    return parser
+
+
+def add_data_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--data-path", default=None,
         help="folder with one sub-folder of images per class; without it, the built-in demo data")
     add("--num_classes", type=at_least(2), default=None, help="number of classes (default: from the data)")
-    add("--epochs", type=at_least(1), default=None,
+    add("--image-size", type=at_least(16, MAX_IMAGE_SIZE), default=None,
+        help=f"side of the square training crop in pixels (default {DATA_DEFAULTS['image_size']}; "
+             f"{DEMO_DEFAULTS['image_size']} on the demo data)")
+    add("--workers", type=at_least(0, WORKERS_PER_CPU * usable_cpus()), default=None,
+        help="data-loader processes per training process (default: a few on GPU machines, none on small CPUs)")
+    add("--seed", type=at_least(0, MAX_SEED), default=0,
+        help="seed for the split, the initial weights and the data order")
+
+
+def add_training_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
+    add = parser.add_argument
+    add("--epochs", type=at_least(1, 1_000_000), default=None,
         help=f"epochs to train (default {DATA_DEFAULTS['epochs']}; {DEMO_DEFAULTS['epochs']} on the demo data)")
-    add("--batch-size", type=at_least(1), default=None,
+    add("--batch-size", type=at_least(1, 65536), default=None,
         help=f"images per batch in each process (default {DATA_DEFAULTS['batch_size']}; "
              f"{DEMO_DEFAULTS['batch_size']} on the demo data)")
     add("--lr", type=positive_float, default=None,
         help=f"learning rate for one process; multiplied by the number of processes "
              f"(default {DATA_DEFAULTS['lr']}; {DEMO_DEFAULTS['lr']} on the demo data)")
-    add("--lrf", type=positive_float, default=0.1, help="final lr as a fraction of --lr (cosine schedule)")
+    add("--lrf", type=fraction, default=0.1, help="final lr as a fraction of --lr (cosine schedule; at most 1)")
     add("--warmup-epochs", type=at_least(0), default=0, help="epochs of linear lr warm-up before the cosine")
-    add("--image-size", type=at_least(16), default=None,
-        help=f"side of the square training crop in pixels (default {DATA_DEFAULTS['image_size']}; "
-             f"{DEMO_DEFAULTS['image_size']} on the demo data)")
     add("--model", default="resnet34", help="any torchvision classification model by name")
     add("--weights", default="",
         help="starting weights: a .pth file, or a torchvision weights name such as DEFAULT (downloads)")
@@ -89,6 +146,11 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
     if launcher != "single":
         add("--syncBN", type=str2bool, nargs="?", const=True, default=False,
             help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only; true/false)")
+    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+
+
+def add_speed_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
+    add = parser.add_argument
     add("--amp", nargs="?", const="auto", default="off", choices=AMP_CHOICES,
         help="mixed precision: bf16 or fp16 autocast (fp16 with loss scaling, CUDA only); auto or the bare "
              "flag: bf16 where the device computes in it, else fp16 on a GPU and float32 on a CPU")
@@ -96,17 +158,17 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
         help="channels-last (NHWC) memory format for the model and the images (true/false)")
     add("--compile", type=str2bool, nargs="?", const=True, default=False,
         help="torch.compile the model (minutes of compiling first; true/false)")
-    add("--accum-steps", type=at_least(1), default=1,
+    add("--accum-steps", type=at_least(1, 1024), default=1,
         help="batches whose gradients add up before each optimizer step (the lr is multiplied by it too)")
     if launcher != "single":
-        add("--bucket-cap-mb", type=positive_float, default=25.0,
+        add("--bucket-cap-mb", type=partial(positive_float, at_most=4096), default=25.0,
             help="size of DDP's gradient buckets: each bucket is all-reduced as soon as its gradients are ready")
         add("--comm-hook", default="none", choices=COMM_HOOKS,
             help="send the gradients as 16-bit numbers (half the bytes per all-reduce)")
-    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    add("--workers", type=at_least(0), default=None, help="data-loader processes per training process "
-        "(default: a few on GPU machines, none on small CPUs)")
-    add("--seed", type=int, default=0, help="seed for the split, the initial weights and the data order")
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
     add("--output-dir", default="output", help="folder for everything the run writes")
     add("--save-every", type=at_least(1), default=1,
         help="write the checkpoint every N epochs (and after the last); a resume goes back to the last one")
@@ -114,18 +176,21 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
         help="keep weights/model-{epoch}.pth of every epoch; false: only best.pth and the checkpoint (true/false)")
     add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
         "is one (an attempt that torchrun restarted does this by itself)")
+
+
+def add_process_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
+    add = parser.add_argument
     if launcher == "spawn":
         add("--world-size", type=at_least(1), default=None,
             help="number of processes to start (default: one per visible GPU, or 2 on CPU)")
-    if launcher != "single":
-        add("--dist-url", default="env://", help="how processes find each other (env:// reads MASTER_ADDR/PORT)")
-        add("--dist-timeout", type=positive_float, default=900.0,
-            help="seconds a collective may wait for the other processes before the job fails")
+    add("--dist-url", default="env://",
+        help="how processes find each other: env:// reads MASTER_ADDR/PORT, or tcp://HOST:PORT, file://PATH")
+    add("--dist-timeout", type=positive_float, default=900.0,
+        help="seconds a collective may wait for the other processes before the job fails")
     if launcher == "launch":
         # The legacy `python -m torch.distributed.launch` (without --use_env) passes this; LOCAL_RANK
         # in the environment says the same, and is what we read.
         add("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    return parser
 
 
 def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -136,32 +201,71 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if getattr(args, "syncBN", False) and args.compile:
-        # torch.compile breaks its graph at every SyncBatchNorm, so the pair is slower than either alone.
-        parser.error("--syncBN with --compile: torch.compile breaks its graph at every SyncBatchNorm "
-                     "layer, which costs more than compiling saves; use one of the two")
+    problem = flag_combination_problem(args)
+    if problem:
+        parser.error(problem)
     return args
 
 
+def flag_combination_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with flags that are each fine alone, or None."""
+    if getattr(args, "syncBN", False) and args.compile:
+        # torch.compile breaks its graph at every SyncBatchNorm, so the pair is slower than either alone.
+        return ("--syncBN with --compile: torch.compile breaks its graph at every SyncBatchNorm layer, which "
+                "costs more than compiling saves; use one of the two")
+    if args.warmup_epochs >= args.epochs:
+        return f"--warmup-epochs {args.warmup_epochs}: must be fewer than --epochs {args.epochs}"
+    if not getattr(args, "dist_url", "env://").startswith(("env://", "tcp://", "file://")):
+        return f"--dist-url {args.dist_url}: expected env://, tcp://HOST:PORT or file://PATH"
+    return None
+
+
 def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
-    """Run `main`; a mistake the user can fix ends with one line on stderr and exit code 2, Ctrl-C and
-    SIGTERM with one line and 130 or 143, after the clean-up in every `finally` has run."""
+    """Check the flags against the model and the files, then run `main`. A mistake the user can fix ends
+    with one line on stderr and exit code 2, Ctrl-C and SIGTERM with one line and 130 or 143, after the
+    clean-up in every `finally` has run."""
     raise_on_sigterm()
     try:
+        check_before_start(args)
         main(args)
     except UserInputError as err:
         report(f"error: {one_line(err)}")
         sys.exit(2)
     except (KeyboardInterrupt, Terminated) as stop:
         name = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
-        report(f"Stopped by {name}; the checkpoint of the last finished epoch is kept.")
+        report(f"Stopped by {name}; the last checkpoint written is kept.")
         sys.exit(128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT))
 
 
+def check_before_start(args: argparse.Namespace) -> None:
+    """What the parser cannot see: that the model exists and takes this batch, that the files are files.
+    Every process of a launcher finds the same: rank 0 alone says so."""
+    from model import check_model_input, check_weights_source  # the model module is above this package
+
+    try:
+        check_model_input(args.model, args.image_size, args.batch_size)
+        if args.weights:
+            check_weights_source(args.model, args.weights)
+        if args.data_path and not Path(args.data_path).is_dir():
+            raise UserInputError(f"--data-path {args.data_path}: "
+                                 f"{'not a folder' if Path(args.data_path).exists() else 'no such folder'}")
+        if args.resume not in (None, "auto") and not Path(args.resume).exists():
+            raise UserInputError(f"--resume {args.resume}: no such file")
+        if Path(args.output_dir).is_file():
+            raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
+    except UserInputError as err:
+        if not launched_as_rank_zero():
+            raise QuietExit(2) from err
+        raise
+
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def one_line(err: BaseException) -> str:
-    """The message of `err` on one line. An error raised in a data-loader worker arrives with the
-    worker's traceback inside its message; its last line is the original message."""
-    lines = [line for line in str(err).splitlines() if line.strip()]
+    """The message of `err` on one line, without terminal colour codes. An error raised in a data-loader
+    worker arrives with the worker's traceback inside its message; its last line is the original message."""
+    lines = [line for line in ANSI_ESCAPE.sub("", str(err)).splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
     last = lines[-1]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import UserInputError
-from .launch import check_one_gpu_per_process, cpu_threads_per_process, detect_launch
+from .errors import QuietExit, UserInputError, exit_code, stop_when_launcher_dies
+from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
 
 
 @dataclass(frozen=True)
@@ -69,30 +69,54 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
     """Join the process group of whatever launcher started this process (also a group of one, so that
     `torchrun --nproc_per_node=1` runs the same DDP code as eight processes); plain python: one process."""
     launch = detect_launch(os.environ, spawn_rank, spawn_world_size)
-    distributed = launch.source != "single"
-    if distributed and resolve_device(device, 0, distributed=False).type == "cuda":
-        check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
-    ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
-                      resolve_device(device, launch.local_rank, distributed), distributed)
-    if ctx.device.type == "cpu":
-        # SLURM gives each task its own CPUs already (--cpus-per-task); the others share the machine's.
-        torch.set_num_threads(cpu_threads_per_process(1 if launch.source == "slurm" else ctx.local_world_size))
-    use_device(ctx.device)
-    if not distributed:
+    ctx = process_context(launch, device)
+    if not ctx.distributed:
         return ctx
+    stop_when_launcher_dies()
     if launch.master_addr is not None:
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     backend = "nccl" if ctx.device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
-    dist.init_process_group(
-        backend=backend, init_method=None if store else dist_url, store=store, world_size=ctx.world_size,
-        rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
-    )
+    try:
+        store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
+        dist.init_process_group(
+            backend=backend, init_method=None if store else dist_url, store=store, world_size=ctx.world_size,
+            rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
+        )
+    except RuntimeError as err:
+        if not port_was_taken(err) or os.environ.get("MASTER_PORT_CHOSEN_BY") == "spawn":
+            raise  # the spawn script picked that port itself, and tries another
+        raise UserInputError(f"MASTER_PORT {os.environ.get('MASTER_PORT')}: another program listens on that "
+                             "port; choose a free one, or unset MASTER_PORT for the spawn script to pick one"
+                             ) from None
     print(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
           f"local rank {ctx.local_rank}, {ctx.device}", flush=True)
     return ctx
+
+
+def process_context(launch: Launch, device: str | None) -> DistContext:
+    """This process's rank and device, its share of the CPU cores, its GPU. A mistake found here is found
+    by every process alike, before they can talk to each other: rank 0 alone says so."""
+    distributed = launch.source != "single"
+    try:
+        if distributed and resolve_device(device, 0, distributed=False).type == "cuda":
+            check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
+        ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
+                          resolve_device(device, launch.local_rank, distributed), distributed)
+    except UserInputError as err:
+        if launch.rank != 0:
+            raise QuietExit(exit_code(err)) from err
+        raise
+    if ctx.device.type == "cpu":
+        # SLURM gives each task its own CPUs already (--cpus-per-task); the others share the machine's.
+        torch.set_num_threads(cpu_threads_per_process(1 if launch.source == "slurm" else ctx.local_world_size))
+    use_device(ctx.device)
+    return ctx
+
+
+def port_was_taken(err: BaseException) -> bool:
+    return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
 
 
 def use_device(device: torch.device) -> None:
@@ -130,24 +154,25 @@ class StalledRankError(UserInputError):
     """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
 
 
-def raise_if_a_rank_stalled(err: BaseException, ctx: DistContext, settle_s: float = 2.0) -> None:
-    """If `err` is a collective's time-out, raise a one-line error naming the ranks that stopped answering.
+def stalled_rank_error(err: BaseException, ctx: DistContext, settle_s: float = 2.0) -> StalledRankError | None:
+    """If `err` is a collective's time-out, the one-line error naming the ranks that stopped answering.
 
     Every rank still alive is stuck in the same collective and times out at about the same moment; each
-    marks itself in the process group's key-value store, waits a moment for the others, and reports
-    the ranks that never marked themselves (hung in a data loader, a deadlock, a stopped machine). With
+    marks itself in the process group's key-value store, waits a moment for the others, and names the
+    ranks that never marked themselves (hung in a data loader, a deadlock, a stopped machine). With
     NCCL, PyTorch's own watchdog ends the processes on a time-out and names the collective instead.
     """
     # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
-    if not (is_dist_avail_and_initialized() and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
-        return
+    if not (isinstance(err, RuntimeError) and is_dist_avail_and_initialized()
+            and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
+        return None
     store = dist.distributed_c10d._get_default_store()
     store.set(f"timed_out/{ctx.rank}", "1")
     time.sleep(settle_s)
     silent = [rank for rank in range(ctx.world_size) if not store.check([f"timed_out/{rank}"])]
-    raise StalledRankError(f"rank {ctx.rank} waited longer than --dist-timeout for the other processes; "
-                           f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
-                           "answering") from err
+    return StalledRankError(f"rank {ctx.rank} waited longer than --dist-timeout for the other processes; "
+                            f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
+                            "answering")
 
 
 def cleanup(failed: bool = False) -> None:
@@ -167,17 +192,37 @@ def cleanup(failed: bool = False) -> None:
 
 @contextlib.contextmanager
 def leave_process_group_at_exit(ctx: DistContext) -> Iterator[None]:
-    """Run the block, then leave the process group however it ended (see cleanup); a collective that
-    timed out is reported as the ranks that stopped answering."""
-    failed = True
+    """Run the block, then leave the process group however it ended (see cleanup).
+
+    When the block fails, the first process to stop explains why; the others, which then fail too
+    ("connection closed by peer") or stop for the same reason, end with the same exit code and no word.
+    A collective that timed out is explained as the ranks that stopped answering.
+    """
     try:
         yield
-        failed = False
-    except RuntimeError as err:
-        raise_if_a_rank_stalled(err, ctx)
+    except BaseException as err:
+        reason = stalled_rank_error(err, ctx) or err
+        first = first_to_stop()
+        cleanup(failed=True)
+        if not first:
+            raise QuietExit(exit_code(reason)) from err
+        if reason is not err:
+            raise reason from err
         raise
-    finally:
-        cleanup(failed)
+    cleanup()
+
+
+def first_to_stop(timeout_s: float = 5.0) -> bool:
+    """Whether this is the first process of the job to stop, counted in the process group's key-value
+    store. A store that no longer answers was kept by a process that has stopped already."""
+    if not is_dist_avail_and_initialized():
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        return store.add("processes_stopped", 1) == 1
+    except Exception:  # the store's host is gone: it stopped first
+        return False
 
 
 def is_dist_avail_and_initialized() -> bool:

@@ -1,7 +1,13 @@
-"""How a run ends early: a mistake the user can fix, or a signal."""
+"""How a run ends early: a mistake the user can fix, a signal, or another process that stopped first."""
 
+import os
 import signal
 import sys
+import threading
+import time
+
+LAUNCHER_POLL_S = 1.0
+KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
 
 
 class UserInputError(ValueError):
@@ -19,11 +25,46 @@ class Terminated(SystemExit):
         super().__init__(128 + signal.SIGTERM)
 
 
+class QuietExit(SystemExit):
+    """The exit of a process whose job another process has already explained: when one rank stops, the
+    others fail too ("connection closed by peer"), and the user needs the first reason once, not N."""
+
+
+def exit_code(err: BaseException) -> int:
+    """The exit code that says why a process stopped: 2 a mistake the user can fix, 130 Ctrl-C, 143 SIGTERM,
+    1 anything else."""
+    if isinstance(err, SystemExit):
+        return err.code if isinstance(err.code, int) else 1
+    if isinstance(err, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    return 2 if isinstance(err, UserInputError) else 1
+
+
 def raise_on_sigterm() -> None:
     def handler(signum: int, frame: object) -> None:
         raise Terminated
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = KILL_AFTER_S) -> None:
+    """Stop this process within seconds if the process that started it dies.
+
+    A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop its workers, which the system
+    hands to another parent and which would then train on, and write, alone. A watching thread sees the
+    parent change and sends this process SIGTERM: the usual clean stop. SIGKILL follows if that cannot
+    run (a main thread stuck waiting for a GPU).
+    """
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(kill_after_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def report(line: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -65,7 +66,8 @@ class RunRecorder:
         self.tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"),
                                          purge_step=start_epoch or None)
         self.tensorboard.add_text("args", args_table(args))
-        print(f"Writing to {self.output_dir} (TensorBoard: tensorboard --logdir {self.output_dir})", flush=True)
+        print(f"Writing to {self.output_dir} (TensorBoard: tensorboard --logdir {shlex.quote(str(self.output_dir))})",
+              flush=True)
 
     def open_metrics(self, start_epoch: int) -> TextIO:
         """metrics.jsonl, keeping the lines of the epochs a resumed run does not repeat."""

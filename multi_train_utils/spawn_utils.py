@@ -14,10 +14,12 @@ import torch
 import torch.multiprocessing as mp
 
 from .cli import one_line
-from .distributed_utils import find_free_port, resolve_device
+from .distributed_utils import find_free_port, port_was_taken, resolve_device
 from .errors import UserInputError, raise_on_sigterm, report
+from .launch import cpu_threads_per_process
 
 PORT_ATTEMPTS = 3
+CPU_PROCESSES_PER_CORE = 4
 STOP_GRACE_S = 3.0
 Worker = Callable[[int, int, argparse.Namespace], None]
 
@@ -30,6 +32,12 @@ def processes_to_start(world_size: int | None, device: str | None) -> int:
         return gpus if on_cuda else 2
     if on_cuda and world_size > gpus:
         raise UserInputError(f"--world-size {world_size}: only {gpus} GPU(s) visible (one process per GPU)")
+    cpus = cpu_threads_per_process(1)
+    if not on_cuda and world_size > CPU_PROCESSES_PER_CORE * cpus:
+        # Each process holds a model, an optimizer and its batches: past a few per core they only fight
+        # for the cores and the memory.
+        raise UserInputError(f"--world-size {world_size}: more processes than this machine's {cpus} CPU core(s) "
+                             f"can run (at most {CPU_PROCESSES_PER_CORE * cpus})")
     return world_size
 
 
@@ -48,10 +56,6 @@ def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namesp
         raise
 
 
-def port_was_taken(err: BaseException) -> bool:
-    return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
-
-
 def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, start_method: str = "spawn") -> None:
     """Start `world_size` processes running worker(rank, world_size, args) and wait for all of them.
 
@@ -66,6 +70,7 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if port_is_ours:
                 os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
+                os.environ["MASTER_PORT_CHOSEN_BY"] = "spawn"  # taken meanwhile: try another, not a user error
             context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
                                          start_method=start_method)
             try:
@@ -89,6 +94,7 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
         if port_is_ours:
             # The next job this process starts (the benchmark starts many) picks a free port of its own.
             os.environ.pop("MASTER_PORT", None)
+            os.environ.pop("MASTER_PORT_CHOSEN_BY", None)
 
 
 def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:

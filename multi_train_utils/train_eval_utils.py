@@ -244,6 +244,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
     `recorder`; returns the last validation result."""
     options = options or StepOptions(device.type)
     result = EvalResult(0, 0, float("nan"))
+    if start_epoch >= epochs:
+        print_main(f"Nothing to train: the run has finished all {epochs} epochs (a larger --epochs trains on)")
     for epoch in range(start_epoch, epochs):
         # A new shuffle every epoch; without set_epoch every epoch repeats the first epoch's order.
         train_loader.sampler.set_epoch(epoch)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
-from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS, get_args_parser, one_line, parse_args
+from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS, get_args_parser, one_line, parse_args, run_cli
 from my_dataset import MyDataSet, UnreadableImageError, collate_fn
 
 TUTORIAL_FLAGS = ["--num_classes", "--epochs", "--batch-size", "--lr", "--lrf", "--data-path", "--weights",
@@ -41,7 +41,13 @@ def test_boolean_flag_alone_means_true_and_absent_means_false() -> None:
 
 @pytest.mark.parametrize("argv", [["--batch-size", "0"], ["--epochs", "0"], ["--workers", "-1"],
                                   ["--image-size", "8"], ["--world-size", "0"], ["--lr", "-1"],
-                                  ["--freeze-layers", "maybe"], ["--batch-size", "two"]])
+                                  ["--freeze-layers", "maybe"], ["--batch-size", "two"],
+                                  # values Python parses that training cannot use: not finite, past what
+                                  # NumPy seeds take, past any machine
+                                  ["--lr", "inf"], ["--lr", "nan"], ["--lrf", "1.5"], ["--dist-timeout", "inf"],
+                                  ["--bucket-cap-mb", "1e309"], ["--seed", "-1"], ["--seed", str(2**32)],
+                                  ["--image-size", "100000"], ["--workers", "100000"], ["--accum-steps", "100000"],
+                                  ["--epochs", str(10**12)], ["--batch-size", str(10**9)]])
 def test_out_of_range_values_are_refused_naming_the_flag(argv: list[str],
                                                          capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -84,3 +90,59 @@ def test_syncbn_with_compile_is_refused_in_one_line(capsys: pytest.CaptureFixtur
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("error: --syncBN with --compile")
     assert parse_args("launch", ["--syncBN", "false", "--compile"]).compile
+
+
+@pytest.mark.parametrize(("argv", "start"), [
+    (["--warmup-epochs", "5", "--epochs", "5"], "error: --warmup-epochs 5: must be fewer than --epochs 5"),
+    (["--dist-url", "localhost:1234"], "error: --dist-url localhost:1234: expected env://"),
+])
+def test_flags_that_do_not_go_together_are_one_line(argv: list[str], start: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        parse_args("spawn", argv)
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(start), line
+
+
+def test_under_a_launcher_only_rank_0_reports_a_bad_flag(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun starts N processes that each parse the same flags: one line, not N."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as stop:
+        parse_args("launch", ["--epochs", "0"])
+    assert stop.value.code == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("launcher", ["single", "launch", "spawn"])
+def test_help_names_each_default_once(launcher: str) -> None:
+    for action in get_args_parser(launcher)._actions:
+        text = get_args_parser(launcher)._get_formatter()._expand_help(action) if action.help else ""
+        assert text.count("default") <= 1, f"{action.option_strings}: {text}"
+
+
+@pytest.mark.parametrize(("flags", "start"), [
+    (["--model", "resnet_nine"], "error: --model 'resnet_nine': not a torchvision classification model"),
+    (["--batch-size", "1"], "error: --batch-size 1: resnet34 cannot train on batches of 1 images"),
+    (["--model", "vit_b_16", "--image-size", "64"], "error: --image-size 64: vit_b_16 cannot train"),
+    (["--weights", "IMAGENET_NONE"], "error: --weights IMAGENET_NONE: no such file, and not a torchvision weights"),
+    (["--data-path", "/no/such/folder"], "error: --data-path /no/such/folder: no such folder"),
+    (["--data-path", __file__], f"error: --data-path {__file__}: not a folder"),
+    (["--resume", "/no/such.pth"], "error: --resume /no/such.pth: no such file"),
+    (["--output-dir", __file__], f"error: --output-dir {__file__}: is a file"),
+])
+def test_flags_are_checked_against_the_model_and_the_files_before_any_work(
+        flags: list[str], start: str, capsys: pytest.CaptureFixture[str]) -> None:
+    def must_not_run(args: object) -> None:
+        raise AssertionError("training started")
+
+    with pytest.raises(SystemExit) as stop:
+        run_cli(must_not_run, parse_args("single", flags))
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(start), line
+
+
+def test_one_line_drops_terminal_colour_codes() -> None:
+    assert one_line(RuntimeError("\x1b[1mdo this\x1b[0m only if")) == "do this only if"

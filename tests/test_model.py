@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from model import build_model, classifier_of, create_model, load_weights
+from model import build_model, check_model_input, classifier_of, create_model, load_weights
+from multi_train_utils import checkpoint
 from multi_train_utils.errors import UserInputError
 
 
@@ -55,11 +57,13 @@ def test_weights_saved_from_ddp_or_in_a_checkpoint_load(tmp_path: Path) -> None:
 def test_pickled_code_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "evil.pth"
     torch.save({"model": nn.Linear(2, 2)}, path)  # a whole module: loading it means running pickled code
-    with pytest.raises(UserInputError, match="not a PyTorch weights file"):
+    with pytest.raises(UserInputError, match="holds Python objects besides tensors") as refused:
         load_weights(create_model("resnet18", 3), str(path), "resnet18")
+    # Not PyTorch's advice to load it anyway (weights_only=False), nor its terminal colour codes.
+    assert "weights_only" not in str(refused.value) and "\x1b" not in str(refused.value)
 
 
-@pytest.mark.parametrize(("content", "message"), [(b"plain text", "not a PyTorch weights file"),
+@pytest.mark.parametrize(("content", "message"), [(b"plain text", "not a PyTorch file"),
                                                   (None, "none of its 1 tensors fit")])
 def test_bad_weights_file_is_a_clear_error(tmp_path: Path, content: bytes | None, message: str) -> None:
     path = tmp_path / "weights.pth"
@@ -104,3 +108,30 @@ def test_a_weights_name_loads_torchvisions_published_weights(monkeypatch: pytest
     model = create_model("resnet18", 3)
     load_weights(model, "IMAGENET1K_V1", "resnet18")
     assert torch.equal(model.conv1.weight, published["conv1.weight"])
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda path: path.write_bytes(b""), "is empty \\(0 bytes\\)"),
+    (lambda path: path.mkdir(), "is a folder"),
+    (lambda path: path.write_bytes(b"PK\x03\x04 cut short"), "not a PyTorch file"),
+])
+@pytest.mark.parametrize("flag", ["--weights", "--resume"])
+def test_files_of_the_wrong_kind_are_named_in_our_own_words(tmp_path: Path, make: Callable[[Path], object],
+                                                            message: str, flag: str) -> None:
+    path = tmp_path / "file.pth"
+    make(path)
+    with pytest.raises(UserInputError, match=f"^{flag} {path}: {message}"):
+        if flag == "--weights":
+            load_weights(create_model("resnet18", 3), str(path), "resnet18")
+        else:
+            checkpoint.read_checkpoint(checkpoint.checkpoint_to_resume(str(path), tmp_path))
+
+
+@pytest.mark.parametrize(("model", "image_size", "batch_size", "flag"), [
+    ("resnet18", 32, 1, "--batch-size 1"), ("vit_b_16", 64, 4, "--image-size 64"),
+    ("alexnet", 16, 4, "--image-size 16")])
+def test_a_batch_the_model_cannot_train_on_is_refused_before_any_work(model: str, image_size: int,
+                                                                      batch_size: int, flag: str) -> None:
+    with pytest.raises(UserInputError, match=f"^{flag}: {model} cannot train on batches of {batch_size} images"):
+        check_model_input(model, image_size, batch_size)
+    check_model_input(model, 224, 2)
