@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -66,6 +67,9 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
     """
     port_is_ours = "MASTER_PORT" not in os.environ
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    # mp's join logs each process it stops ("Terminating process ... via signal SIGTERM"); we say once
+    # which process failed, and that the others were stopped.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         for attempt in range(1, PORT_ATTEMPTS + 1):
             if port_is_ours:

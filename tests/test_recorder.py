@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -110,3 +111,10 @@ def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Pat
         assert all(recorder.checkpoint_due(epoch, last_epoch=9) for epoch in range(10))
         recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=False)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["model-0.pth"]
+
+
+def test_the_tensorboard_hint_quotes_a_path_with_spaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "my runs" / "run 1"
+    with RunRecorder(out, single_process("cpu"), CLASSES, {}):
+        pass
+    assert f"tensorboard --logdir '{out}'" in capsys.readouterr().out

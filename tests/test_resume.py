@@ -39,7 +39,7 @@ def max_difference(a: Path, b: Path) -> float:
 
 
 def test_a_run_stopped_after_an_epoch_and_resumed_ends_with_the_same_weights(
-        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     train(data, tmp_path / "unbroken")
 
     original = engine.train_one_epoch
@@ -60,6 +60,9 @@ def test_a_run_stopped_after_an_epoch_and_resumed_ends_with_the_same_weights(
                           tmp_path / "broken" / "weights" / "model-2.pth") <= 1e-6
     lines = [json.loads(line) for line in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == [0, 1, 2]
+    capsys.readouterr()
+    train(data, tmp_path / "broken", "--resume", "auto")  # once more: the run has finished
+    assert "Nothing to train: the run has finished all 3 epochs" in capsys.readouterr().out
 
 
 def test_a_fresh_run_refuses_to_overwrite_a_run(data: Path, tmp_path: Path) -> None:

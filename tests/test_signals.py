@@ -59,8 +59,10 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("launcher", ["single", "torchrun", "spawn"])
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(("launcher", "stop"), [
+    *((launcher, stop) for launcher in ("single", "torchrun", "spawn") for stop in ("ctrl-c", "sigterm")),
+    # torchrun's agent killed outright cannot stop its workers: they must notice by themselves.
+    ("torchrun", "sigkill")])
 def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: str) -> None:
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
     out, port = tmp_path / "run", free_port()
@@ -85,8 +87,8 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
         started = time.monotonic()
         if stop == "ctrl-c":
             os.killpg(run.pid, signal.SIGINT)  # what the terminal sends to the whole foreground group
-        else:
-            os.kill(run.pid, signal.SIGTERM)  # what a scheduler sends, to the launcher alone
+        else:  # what a scheduler sends, to the launcher alone; or the out-of-memory killer
+            os.kill(run.pid, signal.SIGTERM if stop == "sigterm" else signal.SIGKILL)
         run.wait(timeout=30)
         elapsed = time.monotonic() - started
         while still_running(tree) and time.monotonic() - started < 15:
