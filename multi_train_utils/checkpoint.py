@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pickle
 import random
+import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,10 +28,34 @@ CHECKPOINT_NAME = "checkpoint.pth"
 
 
 def save_atomic(obj: object, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file."""
-    scratch = path.with_name(f".{path.name}.partial")
-    torch.save(obj, scratch)
-    os.replace(scratch, path)
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file, and
+    two processes writing the same name never share a temporary file. A write that fails (a full disk)
+    removes its temporary file, so that it does not keep the disk full, and ends in one line."""
+    handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            torch.save(obj, file)
+        os.replace(scratch, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}; the files "
+                                 "written before it are kept") from None
+        raise
+
+
+LOW_DISK_BYTES = 64 * 2**20
+
+
+def why_a_write_failed(err: BaseException, folder: Path) -> str:
+    """A full disk in words: torch.save says "basic_ios::clear: iostream error", which nobody reads as that."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full (or the disk quota used up)"
+    free = shutil.disk_usage(folder).free
+    if free < LOW_DISK_BYTES:
+        return f"the disk is full ({free / 2**20:.1f} MB free)"
+    return err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
 
 
 def rng_state() -> dict[str, Any]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import torch
@@ -146,17 +149,52 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "checkpoint.pth"
     checkpoint.save_atomic({"epoch": 1, "weights": torch.ones(1000)}, path)
-    real_save = torch.save
 
-    def dies_half_way(obj: object, target: Path) -> None:
-        real_save(obj, target)
-        Path(target).write_bytes(Path(target).read_bytes()[:100])  # what a crash mid-write leaves
+    def dies_half_way(obj: object, target: BinaryIO) -> None:
+        target.write(b"PK\x03\x04 the first bytes")  # what a crash mid-write leaves
         raise KeyboardInterrupt
 
     monkeypatch.setattr(torch, "save", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_atomic({"epoch": 2, "weights": torch.zeros(1000)}, path)
     assert torch.load(path, weights_only=True)["epoch"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"], "no temporary file left behind"
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     RuntimeError("basic_ios::clear: iostream error")])
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing_half_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception) -> None:
+    path = tmp_path / "checkpoint.pth"
+    checkpoint.save_atomic({"epoch": 1}, path)
+
+    def disk_full(obj: object, target: BinaryIO) -> None:
+        target.write(b"as much as fitted")
+        raise failure
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    with pytest.raises(UserInputError, match=f"^cannot write {path}: the disk is full"):
+        checkpoint.save_atomic({"epoch": 2}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
+    assert torch.load(path, weights_only=True)["epoch"] == 1
+
+
+def test_two_writers_of_one_file_never_share_a_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs saving into one output folder at the same moment: with one fixed temporary name, the second
+    would replace the first one's half-written file, and the first one's rename would find nothing."""
+    path = tmp_path / "checkpoint.pth"
+    real_save = torch.save
+
+    def save_while_another_run_saves(obj: dict, target: BinaryIO) -> None:
+        if obj["run"] == "first":
+            checkpoint.save_atomic({"run": "second"}, path)
+        real_save(obj, target)
+
+    monkeypatch.setattr(torch, "save", save_while_another_run_saves)
+    checkpoint.save_atomic({"run": "first"}, path)
+    assert torch.load(path, weights_only=True) == {"run": "first"}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
 
 
 def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> None:
