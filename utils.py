@@ -102,7 +102,12 @@ def batch_grid(images: torch.Tensor, labels: torch.Tensor, class_names: list[str
     """A grid of a batch (uint8 or normalised), each image captioned with its class, as a PIL image.
 
     Small images are blown up to `tile` pixels without smoothing, so one sees the pixels the model gets.
+    A batch of JPEG files (--decode-on gpu, cropped only on the device) is shown as whole pictures.
     """
+    if not isinstance(images, torch.Tensor):
+        from multi_train_utils.gpu_decode import whole_images  # imported here: that module imports this one
+
+        images = whole_images(images)
     pixels = (denormalize(images.detach().cpu()) * 255).round().to(torch.uint8)
     # Four across for up to 16 images; larger batches grow about as wide as tall.
     columns = columns or min(len(pixels), max(4, math.ceil(math.sqrt(len(pixels)))))

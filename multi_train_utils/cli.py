@@ -105,7 +105,11 @@ def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.Argum
             help="send the gradients as 16-bit numbers (half the bytes per all-reduce)")
     add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     add("--workers", type=at_least(0), default=None, help="data-loader processes per training process "
-        "(default: a few on GPU machines, none on small CPUs)")
+        "(default on GPUs: this process's share of the CPUs it may use, less one, at most 16; on CPUs: a "
+        "quarter of that share, at most 4, so none on small CPUs)")
+    add("--decode-on", choices=("cpu", "gpu"), default="cpu",
+        help="gpu: the loader workers only read the training JPEGs; the GPU decodes, crops and flips them "
+             "(nvjpeg; on a CPU this falls back to cpu, with a notice)")
     add("--seed", type=int, default=0, help="seed for the split, the initial weights and the data order")
     add("--output-dir", default="output", help="folder for everything the run writes")
     add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "

@@ -21,6 +21,7 @@ from utils import SplitData, read_split_data
 
 from .distributed_utils import DistContext, barrier, print_main
 from .errors import UserInputError
+from .gpu_decode import EncodedImages
 from .transforms import build_transforms
 
 # Enough workers for what one current GPU trains ResNet-34 on at 224 px (3,000-5,000 images/s, at about
@@ -51,8 +52,9 @@ def resolve_data_path(data_path: str | None, ctx: DistContext) -> Path:
 
 
 def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_classes: int | None = None,
-                  seed: int = 0) -> DataSets:
-    """Split the image folder and wrap both halves in datasets with their transforms."""
+                  seed: int = 0, decode_on: str = "cpu") -> DataSets:
+    """Split the image folder and wrap both halves in datasets with their transforms. decode_on "gpu":
+    the training images are decoded and augmented on the GPU (validation's stay on the workers)."""
     root = resolve_data_path(data_path, ctx)
     split: SplitData = read_split_data(root, seed=seed)
     if num_classes is not None and num_classes != split.num_classes:
@@ -61,9 +63,22 @@ def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_
     print_main(f"{root}: {split.num_classes} classes, {len(split.train_images_path)} images for training, "
                f"{len(split.val_images_path)} for validation")
     train_tf, val_tf = build_transforms(image_size)
-    return DataSets(MyDataSet(split.train_images_path, split.train_images_label, train_tf),
-                    MyDataSet(split.val_images_path, split.val_images_label, val_tf),
-                    split.class_names)
+    train = (EncodedImages(split.train_images_path, split.train_images_label, image_size)
+             if decode_on == "gpu" and can_decode_on_gpu(split.train_images_path, ctx)
+             else MyDataSet(split.train_images_path, split.train_images_label, train_tf))
+    return DataSets(train, MyDataSet(split.val_images_path, split.val_images_label, val_tf), split.class_names)
+
+
+def can_decode_on_gpu(paths: list[str], ctx: DistContext) -> bool:
+    """Whether --decode-on gpu can run here; if not, or not for every file, one line says so."""
+    if ctx.device.type != "cuda":
+        print_main(f"--decode-on gpu: training on {ctx.device.type}, so the loader workers decode the images")
+        return False
+    others = sum(not path.lower().endswith((".jpg", ".jpeg")) for path in paths)
+    if others:
+        print_main(f"--decode-on gpu: {others} of {len(paths)} training images are not JPEGs; the loader "
+                   "workers decode those")
+    return True
 
 
 class UnpaddedDistributedSampler(Sampler[int]):

@@ -20,7 +20,6 @@ from tqdm import tqdm
 from .checkpoint import gather_rng_states, make_checkpoint
 from .distributed_utils import get_world_size, is_main_process, print_main, reduce_value, unwrap_model
 from .errors import UserInputError
-from .transforms import to_model_input
 
 if TYPE_CHECKING:
     from .recorder import RunRecorder
@@ -106,9 +105,12 @@ class StepOptions:
     def to_device(self, images: torch.Tensor, labels: torch.Tensor, device: torch.device,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch as the model takes it, on the training device (asynchronously from pinned memory).
-        The loaders hand over uint8 pixels, a quarter of float32's bytes to copy; they become normalised
-        floats on the device."""
-        images = to_model_input(images.to(device, non_blocking=True), self.memory_format)
+        The loaders hand over uint8 pixels, a quarter of float32's bytes to copy (or JPEG files, with
+        --decode-on gpu); they become normalised floats on the device."""
+        # Imported here: it reads my_dataset and utils, which import this package (a cycle at import time).
+        from .transforms import to_model_input
+
+        images = to_model_input(images, device, self.memory_format)
         return images, labels.to(device, non_blocking=True)
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -13,6 +13,8 @@ from torchvision.transforms import v2
 
 from utils import IMAGENET_MEAN, IMAGENET_STD
 
+from .gpu_decode import EncodedBatch, decode_and_augment
+
 
 def build_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
     """The tutorial's augmentation at 224 px, scaled to `image_size`, on uint8 tensors: random crops to
@@ -26,12 +28,16 @@ def build_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
     return train, val
 
 
-def to_model_input(images: torch.Tensor, memory_format: torch.memory_format = torch.preserve_format,
-                   ) -> torch.Tensor:
-    """A uint8 batch (N, 3, H, W), already on the training device, as the model takes it: float32 in the
-    ImageNet normalisation, in `memory_format`. Float batches (made by other loaders) pass unchanged."""
-    # The layout first, while a pixel is one byte, not four.
-    images = images.to(memory_format=memory_format)
+def to_model_input(images: torch.Tensor | EncodedBatch, device: torch.device,
+                   memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+    """A batch from the loader as the model takes it, on `device`: uint8 pixels (N, 3, H, W), or JPEGs
+    still to decode (--decode-on gpu), become float32 in the ImageNet normalisation, in `memory_format`.
+    Float batches (made by other loaders) are only moved."""
+    if isinstance(images, EncodedBatch):
+        images = decode_and_augment(images, device)
+    # Copied as uint8, a quarter of float32's bytes; asynchronously from pinned memory. The layout next,
+    # while a pixel is still one byte, not four.
+    images = images.to(device, non_blocking=True).to(memory_format=memory_format)
     if images.dtype != torch.uint8:
         return images
     # (x / 255 - mean) / std in one subtraction and one multiplication; elementwise ops keep the layout.

@@ -13,11 +13,12 @@ from PIL import Image
 
 import multi_train_utils.data as data
 from conftest import REPO
+from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.train_eval_utils import StepOptions
 from multi_train_utils.transforms import build_transforms, to_model_input
-from my_dataset import collate_fn, decode_rgb, load_rgb
-from utils import IMAGENET_MEAN, IMAGENET_STD, batch_grid
+from my_dataset import MyDataSet, collate_fn, decode_rgb, load_rgb
+from utils import IMAGENET_MEAN, IMAGENET_STD, batch_grid, read_split_data
 
 spec = importlib.util.spec_from_file_location("loader_benchmark", REPO / "bench" / "loader_benchmark.py")
 loader_benchmark = importlib.util.module_from_spec(spec)
@@ -69,7 +70,7 @@ def old_and_new(path: Path, transform_index: int, seed: int, image_size: int = 2
     torch.manual_seed(seed)
     expected = old(load_rgb(str(path)))
     torch.manual_seed(seed)
-    got = to_model_input(new(decode_rgb(str(path))).unsqueeze(0))[0]
+    got = to_model_input(new(decode_rgb(str(path))).unsqueeze(0), torch.device("cpu"))[0]
     return expected, got
 
 
@@ -98,7 +99,7 @@ def test_the_step_normalises_uint8_batches_on_the_device_in_the_memory_format() 
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(images, (pixels / 255 - mean) / std)
     floats = torch.randn(2, 3, 8, 8)
-    assert torch.equal(to_model_input(floats), floats), "batches already in floats pass unchanged"
+    assert torch.equal(to_model_input(floats, torch.device("cpu")), floats), "batches already in floats pass unchanged"
 
 
 def test_collate_stacks_into_shared_memory_inside_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,3 +130,72 @@ def test_default_workers_count_the_cpus_this_process_may_use(monkeypatch: pytest
     monkeypatch.setattr(data.os, "cpu_count", lambda: 256)  # the machine's count must not matter
     ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
     assert data.default_workers(ctx) == workers
+
+
+def mixed_folder(root: Path) -> list[Path]:
+    """JPEGs of several sizes, and what the GPU must not decode: an EXIF-rotated JPEG and a PNG."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return [photo_like(root / "a.jpg", (500, 375)), photo_like(root / "b.jpg", (320, 480)),
+            photo_like(root / "rotated.jpg", (300, 200), exif=exif), photo_like(root / "c.png", (260, 300)),
+            photo_like(root / "gray.jpg", (400, 300), mode="L")]
+
+
+def test_gpu_decode_logic_on_the_cpu_gives_the_workers_crops_flips_and_labels(tmp_path: Path) -> None:
+    """--decode-on gpu's decoding, boxes and flips, run on the CPU: on the same seed, the same batch as
+    the default pipeline, image for image, labels in order."""
+    paths = [str(p) for p in mixed_folder(tmp_path)]
+    labels = [4, 0, 3, 1, 2]
+    encoded = gpu_decode.EncodedImages(paths, labels, 64)
+    batch, batch_labels = encoded.collate_fn([encoded[i] for i in range(len(paths))])
+    assert batch.shapes[:, 0].tolist() == [0, 0, 3, 3, 0], "the rotated JPEG and the PNG come decoded"
+    for seed in range(3):
+        torch.manual_seed(seed)
+        on_device = gpu_decode.decode_and_augment(batch, torch.device("cpu"))
+        torch.manual_seed(seed)
+        reference = MyDataSet(paths, labels, build_transforms(64)[0])
+        expected = torch.stack([reference[i][0] for i in range(len(paths))])
+        assert on_device.dtype == torch.uint8 and torch.equal(on_device, expected), f"seed {seed}"
+    assert batch_labels.tolist() == labels
+
+
+def test_crop_boxes_lie_inside_each_image_at_the_scale_and_ratio_asked() -> None:
+    torch.manual_seed(0)
+    sizes = [(375, 500), (480, 320), (100, 900), (64, 64)] * 50
+    crops = gpu_decode.sample_crops(sizes, 32)
+    for (height, width), crop in zip(sizes, crops, strict=True):
+        assert crop.top >= 0 and crop.top + crop.height <= height and crop.left >= 0 and crop.left + crop.width <= width
+        if (height, width) != (100, 900):  # there RandomResizedCrop may fall back to a central crop
+            assert 0.08 * 0.9 <= crop.height * crop.width / (height * width) <= 1.0
+            assert 3 / 4 * 0.9 <= crop.width / crop.height <= 4 / 3 * 1.1
+    assert 0.35 < sum(crop.flip for crop in crops) / len(crops) < 0.65
+
+
+def test_exactly_the_drawn_images_are_flipped() -> None:
+    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 16, 1)  # brighter to the right
+    crops = [gpu_decode.Crop(0, 0, 16, 16, flip) for flip in (True, False, False, True)]
+    out = gpu_decode.apply_crops([ramp] * 4, crops, 16)
+    assert [bool(image[0, 0, 0] > image[0, 0, -1]) for image in out] == [True, False, False, True]
+
+
+def test_decode_on_gpu_falls_back_on_a_cpu_and_names_the_non_jpegs_on_a_gpu(image_folder: Path,
+                                                                             capsys: pytest.CaptureFixture) -> None:
+    cpu = DistContext(0, 0, 1, 1, torch.device("cpu"), False)
+    assert type(data.load_datasets(str(image_folder), 16, cpu, decode_on="gpu").train) is MyDataSet
+    assert "--decode-on gpu: training on cpu, so the loader workers decode the images" in capsys.readouterr().out
+    gpu = DistContext(0, 0, 1, 1, torch.device("cuda"), False)
+    datasets = data.load_datasets(str(image_folder), 16, gpu, decode_on="gpu")
+    assert type(datasets.train) is gpu_decode.EncodedImages and type(datasets.val) is MyDataSet
+    split = read_split_data(image_folder)
+    pngs = sum(path.endswith(".png") for path in split.train_images_path)
+    assert f"{pngs} of 24 training images are not JPEGs; the loader workers decode those" in capsys.readouterr().out
+
+
+def test_encoded_batches_cross_from_a_worker_and_can_be_looked_at(tmp_path: Path) -> None:
+    paths = [str(p) for p in mixed_folder(tmp_path)]
+    encoded = gpu_decode.EncodedImages(paths, [0, 1, 0, 1, 0], 48)
+    loader = torch.utils.data.DataLoader(encoded, batch_size=5, num_workers=1, collate_fn=encoded.collate_fn,
+                                         multiprocessing_context="fork")
+    batch, labels = next(iter(loader))
+    assert isinstance(batch, gpu_decode.EncodedBatch) and batch.image_size == 48 and labels.tolist() == [0, 1, 0, 1, 0]
+    assert batch_grid(batch, labels).size == (4 * 128, 2 * (128 + 14))
