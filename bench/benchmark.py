@@ -385,7 +385,8 @@ def main() -> None:
             spawn_workers(probe_worker, args.nproc, args)
         elif args.loader_only:
             data_path = args.data_path or str(ensure_photo_folder())
-            figures = loader_benchmark(data_path, args.image_size, 1 if args.workers is None else args.workers)
+            figures = loader_benchmark(data_path, args.image_size, 1 if args.workers is None else args.workers,
+                                       args.repeats)
             print(json.dumps(figures), flush=True)
         else:
             figures = benchmark(args)

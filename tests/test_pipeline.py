@@ -199,3 +199,21 @@ def test_encoded_batches_cross_from_a_worker_and_can_be_looked_at(tmp_path: Path
     batch, labels = next(iter(loader))
     assert isinstance(batch, gpu_decode.EncodedBatch) and batch.image_size == 48 and labels.tolist() == [0, 1, 0, 1, 0]
     assert batch_grid(batch, labels).size == (4 * 128, 2 * (128 + 14))
+
+
+def test_the_loader_benchmark_times_both_pipelines_on_the_same_files(image_folder: Path) -> None:
+    figures = loader_benchmark.loader_benchmark(str(image_folder), 16, workers=0, repeats=2, batch_size=2, images=4)
+    assert figures["loader_images_per_s_per_worker"] > 0 and figures["loader_images_per_s_per_worker_tutorial"] > 0
+    assert figures["loader_speedup"] == pytest.approx(figures["loader_images_per_s_per_worker"]
+                                                      / figures["loader_images_per_s_per_worker_tutorial"])
+    assert len(figures["runs"]["default"]) == len(figures["runs"]["tutorial"]) == 2
+
+
+def test_photos_are_made_at_photo_size_one_class_per_source(tmp_path: Path) -> None:
+    sources = [photo_like(tmp_path / "one.jpg", (640, 427)), photo_like(tmp_path / "two.png", (300, 451))]
+    root = loader_benchmark.make_photos(tmp_path / "photos", sources, per_source=3)
+    split = read_split_data(root)
+    assert split.class_names == ["one", "two"]
+    for path in split.train_images_path + split.val_images_path:
+        with Image.open(path) as photo:
+            assert photo.format == "JPEG" and photo.size == loader_benchmark.PHOTO_SIZE
