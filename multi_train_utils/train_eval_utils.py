@@ -104,12 +104,9 @@ class StepOptions:
 
     def to_device(self, images: torch.Tensor, labels: torch.Tensor, device: torch.device,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch as the model takes it, on the training device (asynchronously from pinned memory).
-        The loaders hand over uint8 pixels, a quarter of float32's bytes to copy (or JPEG files, with
-        --decode-on gpu); they become normalised floats on the device."""
-        # Imported here: it reads my_dataset and utils, which import this package (a cycle at import time).
-        from .transforms import to_model_input
-
+        """A batch as the model takes it, on the training device: uint8 pixels (a quarter of float32's bytes to
+        copy, asynchronously from pinned memory), or JPEGs with --decode-on gpu, become normalised floats."""
+        from .transforms import to_model_input  # not at the top: it imports my_dataset, which imports this package
         images = to_model_input(images, device, self.memory_format)
         return images, labels.to(device, non_blocking=True)
 
