@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 import multi_train_utils.data as data
-from conftest import REPO
+from conftest import REPO, requires_cuda
 from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.train_eval_utils import StepOptions
@@ -217,3 +217,22 @@ def test_photos_are_made_at_photo_size_one_class_per_source(tmp_path: Path) -> N
     for path in split.train_images_path + split.val_images_path:
         with Image.open(path) as photo:
             assert photo.format == "JPEG" and photo.size == loader_benchmark.PHOTO_SIZE
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_on_a_gpu_nvjpeg_gives_the_workers_batch_within_rounding(tmp_path: Path) -> None:
+    """nvjpeg's inverse DCT and the GPU's float resizing round differently from libjpeg-turbo and the CPU's
+    fixed-point resizing: a few levels here and there. A wrong box or flip would be tens of levels off."""
+    paths = [str(p) for p in mixed_folder(tmp_path)]
+    encoded = gpu_decode.EncodedImages(paths, list(range(len(paths))), 64)
+    batch, _ = encoded.collate_fn([encoded[i] for i in range(len(paths))])
+    torch.manual_seed(0)
+    on_gpu = gpu_decode.decode_and_augment(batch, torch.device("cuda"))
+    torch.manual_seed(0)
+    on_cpu = gpu_decode.decode_and_augment(batch, torch.device("cpu"))
+    assert on_gpu.is_cuda and on_gpu.dtype == torch.uint8
+    levels = (on_gpu.cpu().int() - on_cpu.int()).abs().float()
+    assert levels.mean() < 2.0, f"{levels.mean():.2f} levels off on average"
+    images, _ = StepOptions("cuda", channels_last=True).to_device(batch, torch.tensor([0]), torch.device("cuda"))
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
