@@ -17,8 +17,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFilter
 
+from multi_train_utils.errors import UserInputError
+
 CLASSES = ("checks", "dots", "grid", "rings", "stripes")
 DEFAULT_ROOT = Path(__file__).resolve().parent / "data" / "demo_patterns"
+# Where a checkout that cannot be written (a read-only install, a shared copy) keeps the demo data instead.
+CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "train-multi-gpu" / "demo_patterns"
 IMAGES_PER_CLASS = 120
 SIDE = 64
 
@@ -106,3 +110,17 @@ def ensure_demo_dataset(root: Path = DEFAULT_ROOT) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return root
+
+
+def ensure_demo_data() -> Path:
+    """The demo data's folder, written first where needed: beside the code, or, where the checkout cannot
+    be written, in the user's cache folder."""
+    try:
+        return ensure_demo_dataset(DEFAULT_ROOT)
+    except OSError:
+        pass
+    try:
+        return ensure_demo_dataset(CACHE_ROOT)
+    except OSError as err:
+        raise UserInputError(f"the demo data can be written neither to {DEFAULT_ROOT} nor to {CACHE_ROOT} "
+                             f"({err.strerror}); train on a folder of your images with --data-path") from None

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+from torch.utils.data import default_collate
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms.v2.functional import pil_to_tensor
 
 from multi_train_utils.errors import UserInputError
 
 WHITE = (255, 255, 255)
+JPEG_START = b"\xff\xd8\xff"  # every JPEG file begins with these bytes, whatever its name says
+
+# torchvision 0.29 warns on every decode that its decoders move to TorchCodec; they are still the fastest
+# JPEG decoder a plain torch install has, and the warning would flood the output of every run.
+warnings.filterwarnings("ignore", message=r".*decoding and encoding capabilities of TorchVision",
+                        category=DeprecationWarning)
 
 
 class UnreadableImageError(UserInputError):
@@ -25,6 +35,35 @@ def load_rgb(path: str) -> Image.Image:
             return to_rgb(upright(img))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
         raise UnreadableImageError(f"cannot read image {path}: {err}") from None
+
+
+def read_file(path: str) -> torch.Tensor:
+    """The bytes of a file as a 1-D uint8 tensor (what torchvision's decoders take)."""
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+
+
+def is_jpeg(data: torch.Tensor) -> bool:
+    return data.numel() >= 3 and bytes(data[:3].tolist()) == JPEG_START
+
+
+def decode_rgb(path: str) -> torch.Tensor:
+    """An image file as uint8 RGB pixels (3, H, W), upright as the camera meant it.
+
+    JPEGs, nearly every photograph, are decoded by torchvision's libjpeg-turbo straight into a tensor:
+    the same pixels as Pillow (grayscale, CMYK and progressive files too), without Pillow's image object
+    and its conversion to an array. Everything else (PNG, GIF, 16-bit, palette, transparency) and any JPEG
+    torchvision refuses goes through Pillow's `load_rgb`, which reads them all or names the file.
+    """
+    try:
+        data = read_file(path)
+    except OSError as err:
+        raise UnreadableImageError(f"cannot read image {path}: {err}") from None
+    if is_jpeg(data):
+        try:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
+        except RuntimeError:
+            pass  # a damaged file: Pillow either reads it anyway or raises an error that names it
+    return pil_to_tensor(load_rgb(path))
 
 
 def upright(img: Image.Image) -> Image.Image:
@@ -54,16 +93,21 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack a list of (image, label) pairs into one image tensor and one label tensor."""
-    images, labels = zip(*batch, strict=True)
-    return torch.stack(images, dim=0), torch.as_tensor(labels, dtype=torch.long)
+    """Stack a list of (image, label) pairs into one image tensor and one label tensor.
+
+    PyTorch's default_collate does the stacking: inside a data-loader worker it stacks straight into
+    shared memory, where a plain torch.stack would need one more copy of the batch to get there.
+    """
+    images, labels = default_collate(batch)
+    return images, labels
 
 
 class MyDataSet(torch.utils.data.Dataset):
-    """Image files with class indices; `transform` turns each PIL image into a tensor."""
+    """Image files with class indices. Each image is decoded to uint8 RGB pixels (3, H, W); `transform`
+    (torchvision.transforms.v2 works on such tensors) crops and flips them."""
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
-                 transform: Callable[[Image.Image], torch.Tensor] | None = None) -> None:
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if len(images_path) != len(images_class):
             raise ValueError(f"{len(images_path)} images but {len(images_class)} labels")
         self.images_path = list(images_path)
@@ -73,8 +117,8 @@ class MyDataSet(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.images_path)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor | Image.Image, int]:
-        img = load_rgb(self.images_path[index])
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        img = decode_rgb(self.images_path[index])
         if self.transform is not None:
             img = self.transform(img)
         return img, self.images_class[index]

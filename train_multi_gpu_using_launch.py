@@ -35,7 +35,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     print_main(f"Training in {ctx.world_size} process(es) on {ctx.device.type}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
-    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on)
     # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps

@@ -23,7 +23,7 @@ def main(args: argparse.Namespace) -> None:
     ctx = single_process(args.device)
     print(f"Training in one process on {ctx.device}")
     seed_everything(args.seed)
-    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed)
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on)
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
     model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers)

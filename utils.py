@@ -88,19 +88,27 @@ def read_split_data(root: str | os.PathLike, val_rate: float = 0.2, seed: int = 
 
 
 def denormalize(images: torch.Tensor) -> torch.Tensor:
-    """Undo the ImageNet normalisation of a batch, back to pixel values in [0, 1]."""
+    """Pixel values in [0, 1] of a batch: a uint8 batch as the loaders give it, or one in the ImageNet
+    normalisation as the model takes it."""
+    if images.dtype == torch.uint8:
+        return images.float() / 255
     mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1)
-    return (images * std + mean).clamp(0.0, 1.0)
+    return (images.float() * std + mean).clamp(0.0, 1.0)
 
 
 def batch_grid(images: torch.Tensor, labels: torch.Tensor, class_names: list[str] | None = None,
                columns: int | None = None, tile: int = 128) -> Image.Image:
-    """A grid of a normalised batch, each image captioned with its class, as a PIL image.
+    """A grid of a batch (uint8 or normalised), each image captioned with its class, as a PIL image.
 
     Small images are blown up to `tile` pixels without smoothing, so one sees the pixels the model gets.
+    A batch of JPEG files (--decode-on gpu, cropped only on the device) is shown as whole pictures.
     """
-    pixels = (denormalize(images.detach().float().cpu()) * 255).round().to(torch.uint8)
+    if not isinstance(images, torch.Tensor):
+        from multi_train_utils.gpu_decode import whole_images  # imported here: that module imports this one
+
+        images = whole_images(images)
+    pixels = (denormalize(images.detach().cpu()) * 255).round().to(torch.uint8)
     # Four across for up to 16 images; larger batches grow about as wide as tall.
     columns = columns or min(len(pixels), max(4, math.ceil(math.sqrt(len(pixels)))))
     rows = (len(pixels) + columns - 1) // columns

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from bench.loader_benchmark import loader_benchmark
 from demo_data import DEFAULT_ROOT as DEMO_ROOT
 from demo_data import ensure_demo_dataset
 from model import build_model
@@ -89,6 +90,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--bucket-cap-mb", type=positive_float, default=25.0)
     add("--comm-hook", default="none", choices=COMM_HOOKS)
     add("--skip-launch", action="store_true", help="do not measure the time to the first step")
+    add("--loader-only", action="store_true", help="time the data loader alone, no model: images/s per worker "
+        "(--workers, default 1; 0: this process alone) of the default pipeline and of the tutorial's, on "
+        "--data-path's training images with the training augmentation at --image-size")
     add("--output", default=None, help="also write the JSON, indented, to this file")
     # Internal: the time-to-first-step probe runs this file again, under torchrun or as a spawn parent.
     add("--probe", choices=("torchrun", "spawn"), default=None, help=argparse.SUPPRESS)
@@ -134,8 +138,9 @@ def ensure_photo_folder(root: Path = PHOTOS_ROOT) -> Path:
 
 
 def synthetic_loader(args: argparse.Namespace, ctx: DistContext, num_classes: int, count: int) -> list:
-    """One batch made once and handed out `count` times: no decoding, no copying, nothing to wait for."""
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    """One batch made once and handed out `count` times: no decoding, no copying, nothing to wait for.
+    uint8 pixels like the real loader's, so the step converts and normalises them as it does those."""
+    images = torch.randint(0, 256, (args.batch_size, 3, args.image_size, args.image_size), dtype=torch.uint8)
     labels = torch.randint(0, num_classes, (args.batch_size,))
     if ctx.device.type == "cuda":
         images, labels = images.pin_memory(), labels.pin_memory()
@@ -431,6 +436,11 @@ def main() -> None:
             probe_worker(0, 0, args)
         elif args.probe == "spawn":
             spawn_workers(probe_worker, args.nproc, args)
+        elif args.loader_only:
+            data_path = args.data_path or str(ensure_photo_folder())
+            figures = loader_benchmark(data_path, args.image_size, 1 if args.workers is None else args.workers,
+                                       args.repeats)
+            print(json.dumps(figures), flush=True)
         else:
             figures = benchmark(args)
             if args.output:

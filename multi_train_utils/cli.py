@@ -121,7 +121,11 @@ def add_data_flags(parser: argparse.ArgumentParser) -> None:
         help=f"side of the square training crop in pixels (default {DATA_DEFAULTS['image_size']}; "
              f"{DEMO_DEFAULTS['image_size']} on the demo data)")
     add("--workers", type=at_least(0, WORKERS_PER_CPU * usable_cpus()), default=None,
-        help="data-loader processes per training process (default: a few on GPU machines, none on small CPUs)")
+        help="data-loader processes per training process (default on GPUs: this process's share of the CPUs it "
+             "may use, less one, at most 16; on CPUs: a quarter of that share, at most 4, so none on small CPUs)")
+    add("--decode-on", choices=("cpu", "gpu"), default="cpu",
+        help="gpu: the loader workers only read the training JPEGs; the GPU decodes, crops and flips them "
+             "(nvjpeg; on a CPU this falls back to cpu, with a notice)")
     add("--seed", type=at_least(0, MAX_SEED), default=0,
         help="seed for the split, the initial weights and the data order")
 

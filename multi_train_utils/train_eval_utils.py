@@ -111,8 +111,10 @@ class StepOptions:
 
     def to_device(self, images: torch.Tensor, labels: torch.Tensor, device: torch.device,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch as the model takes it, on the training device (asynchronously from pinned memory)."""
-        images = images.to(device, non_blocking=True, memory_format=self.memory_format)
+        """A batch as the model takes it, on the training device: uint8 pixels (a quarter of float32's bytes to
+        copy, asynchronously from pinned memory), or JPEGs with --decode-on gpu, become normalised floats."""
+        from .transforms import to_model_input  # not at the top: it imports my_dataset, which imports this package
+        images = to_model_input(images, device, self.memory_format)
         return images, labels.to(device, non_blocking=True)
 
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -60,7 +60,9 @@ def test_messy_folder_reads_every_image_and_nothing_else(tmp_path: Path) -> None
     assert everything == sorted([*names, "k.jpg", "gray.jpg", "pal.png"])
     dataset = MyDataSet(split.train_images_path + split.val_images_path,
                         split.train_images_label + split.val_images_label)
-    assert all(dataset[i][0].mode == "RGB" for i in range(len(dataset)))
+    for i in range(len(dataset)):
+        pixels = dataset[i][0]
+        assert pixels.dtype == torch.uint8 and pixels.shape == (3, 24, 24), dataset.images_path[i]
 
 
 @pytest.mark.parametrize("mode", ["1", "L", "LA", "P", "P+transparency", "RGB", "RGBA", "CMYK", "I", "I;16", "F",

@@ -1,0 +1,238 @@
+"""The uint8 input pipeline: the same pixels as the float32 PIL pipeline it replaced, decoded faster,
+normalised on the training device; and how many loader workers each process gets."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import multi_train_utils.data as data
+from conftest import REPO, requires_cuda
+from multi_train_utils import gpu_decode
+from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.train_eval_utils import StepOptions
+from multi_train_utils.transforms import build_transforms, to_model_input
+from my_dataset import MyDataSet, collate_fn, decode_rgb, load_rgb
+from utils import IMAGENET_MEAN, IMAGENET_STD, batch_grid, read_split_data
+
+spec = importlib.util.spec_from_file_location("loader_benchmark", REPO / "bench" / "loader_benchmark.py")
+loader_benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loader_benchmark)
+
+
+def photo_like(path: Path, size: tuple[int, int] = (500, 375), mode: str = "RGB", **save: object) -> Path:
+    """A JPEG with what photographs have: smooth shading, sharp edges and fine texture."""
+    width, height = size
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    rng = np.random.default_rng(0)
+    pixels = np.stack([127 + 100 * np.sin(x / 37), 127 + 100 * np.cos(y / 23), 255 * (x + y) / (width + height)], -1)
+    pixels[(x - width / 2) ** 2 + (y - height / 2) ** 2 < (height / 4) ** 2] = (230, 40, 40)  # a disc
+    pixels += rng.normal(0, 18, pixels.shape)
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB").convert(mode).save(path, quality=90, **save)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK"])
+def test_jpegs_decode_to_the_same_pixels_as_pillow(tmp_path: Path, mode: str) -> None:
+    path = photo_like(tmp_path / "photo.jpg", mode=mode, progressive=mode == "RGB")
+    pixels = decode_rgb(str(path))
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 375, 500)
+    assert torch.equal(pixels, torch.from_numpy(np.asarray(load_rgb(str(path)))).permute(2, 0, 1))
+
+
+def test_exif_orientation_and_a_png_named_jpg(tmp_path: Path) -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    rotated = photo_like(tmp_path / "rotated.jpg", size=(40, 20), exif=exif)
+    assert torch.equal(decode_rgb(str(rotated)), torch.from_numpy(np.asarray(load_rgb(str(rotated)))).permute(2, 0, 1))
+    assert decode_rgb(str(rotated)).shape == (3, 40, 20)
+    png = tmp_path / "really_a_png.jpg"
+    Image.new("RGBA", (8, 6), (0, 0, 0, 0)).save(png, format="PNG")
+    assert decode_rgb(str(png)).shape == (3, 6, 8) and decode_rgb(str(png)).min() == 255  # transparent: white
+
+
+def old_and_new(path: Path, transform_index: int, seed: int, image_size: int = 224) -> tuple[torch.Tensor, ...]:
+    """One image through the float32 PIL pipeline and through the uint8 one, with the same random draws
+    (transforms and transforms.v2 draw the crop box and the flip from torch in the same order)."""
+    old = loader_benchmark.tutorial_transforms(image_size) if transform_index == 0 else None
+    if old is None:
+        from torchvision import transforms
+
+        old = transforms.Compose([transforms.Resize(round(image_size * 256 / 224)),
+                                  transforms.CenterCrop(image_size), transforms.ToTensor(),
+                                  transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    new = build_transforms(image_size)[transform_index]
+    torch.manual_seed(seed)
+    expected = old(load_rgb(str(path)))
+    torch.manual_seed(seed)
+    got = to_model_input(new(decode_rgb(str(path))).unsqueeze(0), torch.device("cpu"))[0]
+    return expected, got
+
+
+@pytest.mark.parametrize("transform_index", [0, 1], ids=["train", "val"])
+def test_the_model_sees_what_the_float32_pil_pipeline_gave_within_rounding(tmp_path: Path,
+                                                                           transform_index: int) -> None:
+    """Both crop the same box and resize it with an antialiased bilinear filter, rounding to uint8 after
+    resizing; their fixed-point arithmetic differs in the last bit, so a pixel may be one level of 255 off
+    (0.0175 after the normalisation). Measured here and on eight real 500 x 375 photos, six crops each:
+    at most 1 level, 0.001 levels on average."""
+    path = photo_like(tmp_path / "photo.jpg")
+    for seed in range(6 if transform_index == 0 else 1):
+        expected, got = old_and_new(path, transform_index, seed)
+        assert got.shape == expected.shape == (3, 224, 224) and got.dtype == torch.float32
+        levels = (got - expected).abs() * torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
+        assert levels.max() <= 1.01, f"seed {seed}: a pixel {levels.max():.2f} levels off"
+        assert levels.mean() < 0.02, f"seed {seed}: {levels.mean():.4f} levels off on average"
+
+
+def test_the_step_normalises_uint8_batches_on_the_device_in_the_memory_format() -> None:
+    pixels = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    options = StepOptions("cpu", channels_last=True)
+    images, labels = options.to_device(pixels, torch.tensor([0, 1]), torch.device("cpu"))
+    assert labels.tolist() == [0, 1]
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(images, (pixels / 255 - mean) / std)
+    floats = torch.randn(2, 3, 8, 8)
+    assert torch.equal(to_model_input(floats, torch.device("cpu")), floats), "batches already in floats pass unchanged"
+
+
+def test_collate_stacks_into_shared_memory_inside_a_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a worker, default_collate stacks straight into shared memory; a plain torch.stack would leave
+    the batch to be copied there once more on its way to the training process."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    pixels = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    images, labels = collate_fn([(pixels, 1), (pixels + 1, 2)])
+    assert images.is_shared() and images.dtype == torch.uint8 and labels.tolist() == [1, 2]
+
+
+def test_the_batch_grid_shows_uint8_batches() -> None:
+    red = torch.tensor([255, 0, 0], dtype=torch.uint8).view(1, 3, 1, 1).expand(2, 3, 8, 8)
+    assert batch_grid(red, torch.tensor([0, 1])).getpixel((64, 64)) == (255, 0, 0)
+
+
+@pytest.mark.parametrize(("cpus", "local_processes", "device", "workers"), [
+    (12, 1, "cuda", 11),  # one CPU left to the training process
+    (12, 4, "cuda", 2),   # 3 CPUs per GPU process
+    (128, 1, "cuda", data.MAX_GPU_WORKERS),
+    (1, 1, "cuda", 1),
+    (2, 1, "cpu", 0),     # on a CPU, training needs the cores itself
+    (32, 2, "cpu", 4),
+])
+def test_default_workers_count_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                             local_processes: int, device: str, workers: int) -> None:
+    monkeypatch.setattr(data.os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(data.os, "cpu_count", lambda: 256)  # the machine's count must not matter
+    ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
+    assert data.default_workers(ctx) == workers
+
+
+def mixed_folder(root: Path) -> list[Path]:
+    """JPEGs of several sizes, and what the GPU must not decode: an EXIF-rotated JPEG and a PNG."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return [photo_like(root / "a.jpg", (500, 375)), photo_like(root / "b.jpg", (320, 480)),
+            photo_like(root / "rotated.jpg", (300, 200), exif=exif), photo_like(root / "c.png", (260, 300)),
+            photo_like(root / "gray.jpg", (400, 300), mode="L")]
+
+
+def test_gpu_decode_logic_on_the_cpu_gives_the_workers_crops_flips_and_labels(tmp_path: Path) -> None:
+    """--decode-on gpu's decoding, boxes and flips, run on the CPU: on the same seed, the same batch as
+    the default pipeline, image for image, labels in order."""
+    paths = [str(p) for p in mixed_folder(tmp_path)]
+    labels = [4, 0, 3, 1, 2]
+    encoded = gpu_decode.EncodedImages(paths, labels, 64)
+    batch, batch_labels = encoded.collate_fn([encoded[i] for i in range(len(paths))])
+    assert batch.shapes[:, 0].tolist() == [0, 0, 3, 3, 0], "the rotated JPEG and the PNG come decoded"
+    for seed in range(3):
+        torch.manual_seed(seed)
+        on_device = gpu_decode.decode_and_augment(batch, torch.device("cpu"))
+        torch.manual_seed(seed)
+        reference = MyDataSet(paths, labels, build_transforms(64)[0])
+        expected = torch.stack([reference[i][0] for i in range(len(paths))])
+        assert on_device.dtype == torch.uint8 and torch.equal(on_device, expected), f"seed {seed}"
+    assert batch_labels.tolist() == labels
+
+
+def test_crop_boxes_lie_inside_each_image_at_the_scale_and_ratio_asked() -> None:
+    torch.manual_seed(0)
+    sizes = [(375, 500), (480, 320), (100, 900), (64, 64)] * 50
+    crops = gpu_decode.sample_crops(sizes, 32)
+    for (height, width), crop in zip(sizes, crops, strict=True):
+        assert crop.top >= 0 and crop.top + crop.height <= height and crop.left >= 0 and crop.left + crop.width <= width
+        if (height, width) != (100, 900):  # there RandomResizedCrop may fall back to a central crop
+            assert 0.08 * 0.9 <= crop.height * crop.width / (height * width) <= 1.0
+            assert 3 / 4 * 0.9 <= crop.width / crop.height <= 4 / 3 * 1.1
+    assert 0.35 < sum(crop.flip for crop in crops) / len(crops) < 0.65
+
+
+def test_exactly_the_drawn_images_are_flipped() -> None:
+    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 16, 1)  # brighter to the right
+    crops = [gpu_decode.Crop(0, 0, 16, 16, flip) for flip in (True, False, False, True)]
+    out = gpu_decode.apply_crops([ramp] * 4, crops, 16)
+    assert [bool(image[0, 0, 0] > image[0, 0, -1]) for image in out] == [True, False, False, True]
+
+
+def test_decode_on_gpu_falls_back_on_a_cpu_and_names_the_non_jpegs_on_a_gpu(image_folder: Path,
+                                                                             capsys: pytest.CaptureFixture) -> None:
+    cpu = DistContext(0, 0, 1, 1, torch.device("cpu"), False)
+    assert type(data.load_datasets(str(image_folder), 16, cpu, decode_on="gpu").train) is MyDataSet
+    assert "--decode-on gpu: training on cpu, so the loader workers decode the images" in capsys.readouterr().out
+    gpu = DistContext(0, 0, 1, 1, torch.device("cuda"), False)
+    datasets = data.load_datasets(str(image_folder), 16, gpu, decode_on="gpu")
+    assert type(datasets.train) is gpu_decode.EncodedImages and type(datasets.val) is MyDataSet
+    split = read_split_data(image_folder)
+    pngs = sum(path.endswith(".png") for path in split.train_images_path)
+    assert f"{pngs} of 24 training images are not JPEGs; the loader workers decode those" in capsys.readouterr().out
+
+
+def test_encoded_batches_cross_from_a_worker_and_can_be_looked_at(tmp_path: Path) -> None:
+    paths = [str(p) for p in mixed_folder(tmp_path)]
+    encoded = gpu_decode.EncodedImages(paths, [0, 1, 0, 1, 0], 48)
+    loader = torch.utils.data.DataLoader(encoded, batch_size=5, num_workers=1, collate_fn=encoded.collate_fn,
+                                         multiprocessing_context="fork")
+    batch, labels = next(iter(loader))
+    assert isinstance(batch, gpu_decode.EncodedBatch) and batch.image_size == 48 and labels.tolist() == [0, 1, 0, 1, 0]
+    assert batch_grid(batch, labels).size == (4 * 128, 2 * (128 + 14))
+
+
+def test_the_loader_benchmark_times_both_pipelines_on_the_same_files(image_folder: Path) -> None:
+    figures = loader_benchmark.loader_benchmark(str(image_folder), 16, workers=0, repeats=2, batch_size=2, images=4)
+    assert figures["loader_images_per_s_per_worker"] > 0 and figures["loader_images_per_s_per_worker_tutorial"] > 0
+    assert figures["loader_speedup"] == pytest.approx(figures["loader_images_per_s_per_worker"]
+                                                      / figures["loader_images_per_s_per_worker_tutorial"])
+    assert len(figures["runs"]["default"]) == len(figures["runs"]["tutorial"]) == 2
+
+
+def test_photos_are_made_at_photo_size_one_class_per_source(tmp_path: Path) -> None:
+    sources = [photo_like(tmp_path / "one.jpg", (640, 427)), photo_like(tmp_path / "two.png", (300, 451))]
+    root = loader_benchmark.make_photos(tmp_path / "photos", sources, per_source=3)
+    split = read_split_data(root)
+    assert split.class_names == ["one", "two"]
+    for path in split.train_images_path + split.val_images_path:
+        with Image.open(path) as photo:
+            assert photo.format == "JPEG" and photo.size == loader_benchmark.PHOTO_SIZE
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_on_a_gpu_nvjpeg_gives_the_workers_batch_within_rounding(tmp_path: Path) -> None:
+    """nvjpeg's inverse DCT and the GPU's float resizing round differently from libjpeg-turbo and the CPU's
+    fixed-point resizing: a few levels here and there. A wrong box or flip would be tens of levels off."""
+    paths = [str(p) for p in mixed_folder(tmp_path)]
+    encoded = gpu_decode.EncodedImages(paths, list(range(len(paths))), 64)
+    batch, _ = encoded.collate_fn([encoded[i] for i in range(len(paths))])
+    torch.manual_seed(0)
+    on_gpu = gpu_decode.decode_and_augment(batch, torch.device("cuda"))
+    torch.manual_seed(0)
+    on_cpu = gpu_decode.decode_and_augment(batch, torch.device("cpu"))
+    assert on_gpu.is_cuda and on_gpu.dtype == torch.uint8
+    levels = (on_gpu.cpu().int() - on_cpu.int()).abs().float()
+    assert levels.mean() < 2.0, f"{levels.mean():.2f} levels off on average"
+    images, _ = StepOptions("cuda", channels_last=True).to_device(batch, torch.tensor([0]), torch.device("cuda"))
+    assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
