@@ -20,7 +20,8 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.spawn_utils import processes_to_start, spawn_workers
-from multi_train_utils.train_eval_utils import StepOptions, build_optimizer, fit
+from multi_train_utils.step_options import StepOptions
+from multi_train_utils.train_eval_utils import build_optimizer, fit
 
 
 def main(args: argparse.Namespace) -> None:

@@ -16,7 +16,8 @@ from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.train_eval_utils import StepOptions, build_optimizer, fit
+from multi_train_utils.step_options import StepOptions
+from multi_train_utils.train_eval_utils import build_optimizer, fit
 
 
 def main(args: argparse.Namespace) -> None:

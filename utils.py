@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
@@ -131,30 +130,3 @@ def plot_data_loader_image(data_loader: torch.utils.data.DataLoader, path: str |
     path.parent.mkdir(parents=True, exist_ok=True)
     batch_grid(images[:max_images], labels[:max_images], class_names).save(path)
     return path
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Save a grid of one training batch, as the training loop would get it, to look at before training."""
-    from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS
-    from multi_train_utils.data import load_datasets  # imported here: that module imports this one
-    from multi_train_utils.distributed_utils import single_process
-
-    parser = argparse.ArgumentParser(description="Save one training batch, un-normalised, as a PNG grid.")
-    parser.add_argument("--data-path", default=None, help="image folder; without it, the built-in demo data")
-    parser.add_argument("--image-size", type=int, default=None,
-                        help="side of the training crop (default: what the training scripts use on that data)")
-    parser.add_argument("--batch-size", type=int, default=16, help="images in the grid")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the split, the shuffle and the crops")
-    parser.add_argument("--out", default="first_batch.png", help="PNG file to write")
-    args = parser.parse_args(argv)
-    image_size = args.image_size or (DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS)["image_size"]
-    torch.manual_seed(args.seed)
-    data = load_datasets(args.data_path, image_size, single_process("cpu"), seed=args.seed)
-    # The training set, so the grid shows its random crops and flips, not validation's centre crops.
-    loader = torch.utils.data.DataLoader(data.train, batch_size=args.batch_size, shuffle=True,
-                                         collate_fn=data.train.collate_fn)
-    print(f"Wrote {plot_data_loader_image(loader, args.out, data.class_names, args.batch_size)}")
-
-
-if __name__ == "__main__":
-    main()

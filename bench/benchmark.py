@@ -41,8 +41,7 @@ import torch.distributed as dist
 from PIL import Image
 
 from bench.loader_benchmark import loader_benchmark
-from demo_data import DEFAULT_ROOT as DEMO_ROOT
-from demo_data import ensure_demo_dataset
+from demo_data import ensure_demo_data
 from model import build_model
 from multi_train_utils.cli import OneLineErrorParser, at_least, one_line, positive_float, str2bool
 from multi_train_utils.data import build_loaders, load_datasets
@@ -51,7 +50,8 @@ from multi_train_utils.distributed_utils import DistContext, barrier, cleanup, i
 from multi_train_utils.errors import UserInputError, report
 from multi_train_utils.launch import cpu_threads_per_process
 from multi_train_utils.spawn_utils import spawn_workers
-from multi_train_utils.train_eval_utils import AMP_CHOICES, StepOptions, build_optimizer, train_one_epoch
+from multi_train_utils.step_options import AMP_CHOICES, StepOptions
+from multi_train_utils.train_eval_utils import build_optimizer, train_one_epoch
 
 PHOTOS_ROOT = REPO / "data" / "bench_photos"
 PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's flower_photos
@@ -127,8 +127,7 @@ def ensure_photo_folder(root: Path = PHOTOS_ROOT) -> Path:
     what they cost on photographs, not on 64-pixel tiles."""
     if (root / ".complete").is_file():
         return root
-    ensure_demo_dataset(DEMO_ROOT)
-    for source in sorted(DEMO_ROOT.glob("*/*")):
+    for source in sorted(ensure_demo_data().glob("*/*")):
         target = root / source.parent.name / (source.stem + ".jpg")
         target.parent.mkdir(parents=True, exist_ok=True)
         with Image.open(source) as image:

@@ -10,7 +10,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,9 +20,7 @@ from torch import nn
 from .ddp import unwrap_model
 from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main
 from .errors import UserInputError
-
-if TYPE_CHECKING:
-    from .train_eval_utils import StepOptions
+from .step_options import StepOptions
 
 CHECKPOINT_NAME = "checkpoint.pth"
 

@@ -16,7 +16,7 @@ from typing import Literal, NoReturn
 from .ddp import COMM_HOOKS
 from .errors import QuietExit, Terminated, UserInputError, raise_on_sigterm, report
 from .launch import detect_launch
-from .train_eval_utils import AMP_CHOICES
+from .step_options import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
 

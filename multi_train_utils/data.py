@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from demo_data import DEFAULT_ROOT as DEMO_ROOT
-from demo_data import ensure_demo_dataset
+from demo_data import ensure_demo_data
 from my_dataset import MyDataSet
 from utils import SplitData, read_split_data
 
@@ -45,10 +44,9 @@ def resolve_data_path(data_path: str | None, ctx: DistContext) -> Path:
     if data_path:
         return Path(data_path)
     if ctx.local_rank == 0:
-        print_main(f"No --data-path given: training on the built-in demo data in {DEMO_ROOT}")
-        ensure_demo_dataset(DEMO_ROOT)
+        print_main(f"No --data-path given: training on the built-in demo data in {ensure_demo_data()}")
     barrier()  # the other processes on this machine wait until the files are there
-    return DEMO_ROOT
+    return ensure_demo_data()  # written by now: finds the folder local rank 0 wrote
 
 
 def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_classes: int | None = None,

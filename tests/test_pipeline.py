@@ -15,7 +15,7 @@ import multi_train_utils.data as data
 from conftest import REPO, requires_cuda
 from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
-from multi_train_utils.train_eval_utils import StepOptions
+from multi_train_utils.step_options import StepOptions
 from multi_train_utils.transforms import build_transforms, to_model_input
 from my_dataset import MyDataSet, collate_fn, decode_rgb, load_rgb
 from utils import IMAGENET_MEAN, IMAGENET_STD, batch_grid, read_split_data

@@ -43,7 +43,7 @@ TINY_OVERRIDES = {
     "train_single_gpu.py": TRAIN_TINY,
     "train_multi_gpu_using_launch.py": TRAIN_TINY,
     "train_multi_gpu_using_spawn.py": TRAIN_TINY,
-    "utils.py": ["--data-path", "{data}", "--image-size", "16", "--batch-size", "4"],
+    "show_batch.py": ["--data-path", "{data}", "--image-size", "16", "--batch-size", "4"],
     "plot_runs.py": [],
     "bench/benchmark.py": ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2",
                            "--warmup-steps", "1", "--repeats", "1", "--rounds", "1"],

@@ -121,7 +121,8 @@ def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path
 def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Path) -> None:
     from model import create_model
     from multi_train_utils.distributed_utils import DistContext
-    from multi_train_utils.train_eval_utils import StepOptions, build_optimizer
+    from multi_train_utils.step_options import StepOptions
+    from multi_train_utils.train_eval_utils import build_optimizer
 
     train(data, tmp_path, "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves

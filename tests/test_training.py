@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import multi_train_utils.data
+import demo_data
 import train_single_gpu
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, write_image
 from model import create_model
 from multi_train_utils.cli import parse_args
+from multi_train_utils.errors import UserInputError
 
 METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_acc", "val_correct", "val_total", "lr", "images_per_s",
                "epoch_time_s", "world_size"}
@@ -46,7 +47,7 @@ def test_a_short_run_learns_and_writes_every_output(tmp_path: Path) -> None:
 
 def test_the_demo_data_is_written_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(multi_train_utils.data, "DEMO_ROOT", tmp_path / "demo")
+    monkeypatch.setattr(demo_data, "DEFAULT_ROOT", tmp_path / "demo")
     out = tmp_path / "run"
     train_single_gpu.main(parse_args("single", ["--output-dir", str(out), *TINY_FLAGS, "--batch-size", "32"]))
     assert "built-in demo data" in capsys.readouterr().out
@@ -101,3 +102,24 @@ def test_the_two_multi_process_scripts_differ_only_in_how_they_start() -> None:
     assert len(changed) <= 25, "\n".join(changed)
     train = slice(launch.index("def train(args: argparse.Namespace, ctx: DistContext) -> None:"), None)
     assert launch[train][:-3] == spawn[spawn.index(launch[train][0]):][:-3], "train() must be the same"
+
+
+def test_a_read_only_checkout_keeps_the_demo_data_in_the_users_cache(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    real_mkdtemp = demo_data.tempfile.mkdtemp
+
+    def read_only_checkout(prefix: str, dir: Path) -> str:
+        if checkout in Path(dir).parents or Path(dir) == checkout / "data":
+            raise PermissionError(13, "Permission denied", str(dir))
+        return real_mkdtemp(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(demo_data.tempfile, "mkdtemp", read_only_checkout)
+    monkeypatch.setattr(demo_data, "DEFAULT_ROOT", checkout / "data" / "demo_patterns")
+    monkeypatch.setattr(demo_data, "CACHE_ROOT", tmp_path / "cache" / "demo_patterns")
+    assert demo_data.ensure_demo_data() == tmp_path / "cache" / "demo_patterns"
+    monkeypatch.setattr(demo_data, "CACHE_ROOT", checkout / "data" / "cache")
+    with pytest.raises(UserInputError, match=r"^the demo data can be written neither to .* train on a folder of "
+                                             r"your images with --data-path$"):
+        demo_data.ensure_demo_data()
