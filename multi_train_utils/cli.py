@@ -15,7 +15,7 @@ from typing import Literal, NoReturn
 
 from .ddp import COMM_HOOKS
 from .errors import QuietExit, Terminated, UserInputError, raise_on_sigterm, report
-from .launch import detect_launch
+from .launch import detect_launch, usable_cpus
 from .step_options import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
@@ -73,10 +73,6 @@ def fraction(text: str) -> float:
 MAX_IMAGE_SIZE = 4096
 MAX_SEED = 2**31 - 1  # NumPy takes seeds up to 2**32 - 1, and each rank adds its rank
 WORKERS_PER_CPU = 4
-
-
-def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):

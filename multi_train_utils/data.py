@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import random
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from utils import SplitData, read_split_data
 from .distributed_utils import DistContext, barrier, print_main
 from .errors import UserInputError
 from .gpu_decode import EncodedImages
+from .launch import usable_cpus
 from .transforms import build_transforms
 
 # Enough workers for what one current GPU trains ResNet-34 on at 224 px (3,000-5,000 images/s, at about
@@ -95,14 +95,6 @@ class UnpaddedDistributedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(range(self.rank, self.dataset_size, self.num_replicas))
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on: a container's or SLURM's limit, not the machine's core count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no affinity masks
-        return os.cpu_count() or 1
 
 
 def default_workers(ctx: DistContext) -> int:

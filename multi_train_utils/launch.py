@@ -101,7 +101,14 @@ def check_one_gpu_per_process(launch: Launch, visible_gpus: int, env: Mapping[st
                          f"most {visible_gpus}, or train on the CPU with --device cpu)")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: a container's or SLURM's limit, not the machine's core count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity masks
+        return os.cpu_count() or 1
+
+
 def cpu_threads_per_process(local_world_size: int) -> int:
     """Share the cores: every process otherwise starts one thread per core and they fight (3x slower)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world_size)
+    return max(1, usable_cpus() // local_world_size)
