@@ -4,6 +4,7 @@ normalised on the training device; and how many loader workers each process gets
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -126,8 +127,8 @@ def test_the_batch_grid_shows_uint8_batches() -> None:
 ])
 def test_default_workers_count_the_cpus_this_process_may_use(monkeypatch: pytest.MonkeyPatch, cpus: int,
                                                              local_processes: int, device: str, workers: int) -> None:
-    monkeypatch.setattr(data.os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
-    monkeypatch.setattr(data.os, "cpu_count", lambda: 256)  # the machine's count must not matter
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 256)  # the machine's count must not matter
     ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
     assert data.default_workers(ctx) == workers
 
