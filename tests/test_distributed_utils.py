@@ -23,7 +23,7 @@ from multi_train_utils.distributed_utils import (
     single_process,
     use_device,
 )
-from multi_train_utils.errors import UserInputError
+from multi_train_utils.errors import QuietExit, UserInputError
 from multi_train_utils.launch import (
     SLURM_PORT_BASE,
     check_one_gpu_per_process,
@@ -200,6 +200,7 @@ class FakeGroup:
         monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: self.calls.append("destroy"))
         monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group",
                             lambda: self.calls.append("abort"))
+        monkeypatch.setattr(distributed_utils, "first_to_stop", lambda: True)
 
 
 @pytest.mark.parametrize(("backend", "fails", "expected"), [
@@ -213,3 +214,29 @@ def test_a_failed_rank_aborts_nccl_instead_of_waiting_for_the_others(
         if fails:
             raise ValueError("a user error on this rank")
     assert group.calls == expected
+
+
+def test_only_the_first_process_to_stop_explains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The others end with the same exit code and no word: their failure follows from the first one's."""
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(distributed_utils, "cleanup", lambda failed=False: None)
+    ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True)
+    with pytest.raises(UserInputError), leave_process_group_at_exit(ctx):
+        raise UserInputError("cannot read image a.jpg")
+    with pytest.raises(QuietExit) as quiet, leave_process_group_at_exit(ctx):
+        raise RuntimeError("Connection closed by peer")
+    assert quiet.value.code == 1
+    with pytest.raises(QuietExit) as quiet, leave_process_group_at_exit(ctx):
+        raise UserInputError("the same mistake, found by another rank")
+    assert quiet.value.code == 2
+
+
+def test_a_store_nobody_answers_means_another_process_stopped_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    def gone() -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
+    assert distributed_utils.first_to_stop() is False
