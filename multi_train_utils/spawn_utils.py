@@ -90,7 +90,7 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
                 report(f"error: process {err.error_index} failed (see its traceback above); the others were stopped")
                 sys.exit(1)
             except mp.ProcessExitedException as err:
-                exit_on_lost_process(err)
+                exit_on_lost_process(err, context.processes)
             finally:
                 # Also on Ctrl-C or SIGTERM to this process: no worker outlives the launcher.
                 stop_processes(context.processes)
@@ -114,10 +114,15 @@ def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:
             process.join()
 
 
-def exit_on_lost_process(err: mp.ProcessExitedException) -> None:
-    """A process ended without a Python exception: it printed its own error, or a signal killed it."""
+def exit_on_lost_process(err: mp.ProcessExitedException, processes: list[mp.Process]) -> None:
+    """A process ended without a Python exception: it printed its own error, or a signal killed it.
+
+    The first to end need not be the one that explained: after a mistake the user can fix (exit 2) on one
+    rank, the others end too, without a word. The job exits 2 if any process did.
+    """
     if err.exit_code is not None and err.exit_code < 0:
         report(f"error: process {err.error_index} was killed by {signal.Signals(-err.exit_code).name}; "
                "the others were stopped")
         sys.exit(1)
-    sys.exit(err.exit_code or 1)
+    stop_processes(processes)
+    sys.exit(2 if 2 in (process.exitcode for process in processes) else err.exit_code or 1)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import ddp_workers
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from conftest import free_port
 from multi_train_utils import spawn_utils
@@ -70,3 +71,27 @@ def test_a_preset_master_port_is_used_and_not_replaced(monkeypatch: pytest.Monke
     errors = capfd.readouterr().err.strip().splitlines()
     assert errors == [f"error (rank 0): MASTER_PORT {taken_port}: another program listens on that port; choose a "
                       "free one, or unset MASTER_PORT for the spawn script to pick one"], errors
+
+
+class EndedProcess:
+    """A process that has ended with `exitcode`, as stop_processes and exit_on_lost_process see it."""
+
+    def __init__(self, exitcode: int) -> None:
+        self.exitcode = exitcode
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_a_user_error_on_any_rank_is_the_jobs_exit_code() -> None:
+    """Rank 1 ends first (exit 1, its collective failed when rank 0 stopped); rank 0 had the user error."""
+    lost = mp.ProcessExitedException("process 1 ended", error_index=1, error_pid=0, exit_code=1)
+    with pytest.raises(SystemExit) as stop:
+        spawn_utils.exit_on_lost_process(lost, [EndedProcess(2), EndedProcess(1)])
+    assert stop.value.code == 2
+    with pytest.raises(SystemExit) as stop:
+        spawn_utils.exit_on_lost_process(lost, [EndedProcess(0), EndedProcess(1)])
+    assert stop.value.code == 1
