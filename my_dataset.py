@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,6 +65,19 @@ def decode_rgb(path: str) -> torch.Tensor:
         except RuntimeError:
             pass  # a damaged file: Pillow either reads it anyway or raises an error that names it
     return pil_to_tensor(load_rgb(path))
+
+
+def header_problem(path: str) -> str | None:
+    """What is wrong with an image file that its header already shows (empty, not an image, no pixels),
+    or None. Reads a few hundred bytes, not the pixels: cheap enough to check every file before training."""
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        return "empty" if Path(path).stat().st_size == 0 else f"not an image Pillow reads ({err})"
+    return None if width > 0 and height > 0 else f"{width} x {height} pixels"
 
 
 def upright(img: Image.Image) -> Image.Image:

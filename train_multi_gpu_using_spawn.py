@@ -8,7 +8,7 @@ This script starts the processes itself (torch.multiprocessing.spawn) and hands 
 import argparse
 
 from model import build_model
-from multi_train_utils.checkpoint import resume
+from multi_train_utils.checkpoint import find_saved_run, resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.ddp import wrap_ddp
@@ -40,7 +40,9 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     print_main(f"Training in {ctx.world_size} process(es) on {ctx.device.type}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
-    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on)
+    saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on,
+                         saved.split)
     # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
@@ -57,9 +59,9 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     steps_per_epoch = optimizer_steps_per_epoch(train_loader, args.accum_steps)  # the lr moves every step
     optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs, steps_per_epoch)
     # --model-ema: its decay per step, too, follows the batches of one step.
-    ema = build_ema(model, args.model_ema, args.model_ema_decay, ctx.world_size * args.accum_steps)
-    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options)
-    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
+    ema = build_ema(model, args.model_ema, args.model_ema_decay, ctx.world_size * args.accum_steps, saved.state)
+    start_epoch, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
             start_epoch, best_acc, options, ema)
 

@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from model import build_model
-from multi_train_utils.checkpoint import resume
+from multi_train_utils.checkpoint import find_saved_run, resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import single_process
@@ -25,7 +25,9 @@ def main(args: argparse.Namespace) -> None:
     ctx = single_process(args.device)
     print(f"Training in one process on {ctx.device}")
     seed_everything(args.seed)
-    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on)
+    saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
+    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on,
+                         saved.split)
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
     model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
@@ -40,9 +42,9 @@ def main(args: argparse.Namespace) -> None:
     optimizer, scheduler = build_optimizer(model, args.lr * args.accum_steps, args.epochs, args.lrf,
                                            args.warmup_epochs, steps_per_epoch)
     # --model-ema: a moving average of the weights, validated and saved beside them.
-    ema = build_ema(model, args.model_ema, args.model_ema_decay, args.accum_steps)
-    start_epoch, best_acc = resume(args.resume, args.output_dir, ctx, model, optimizer, scheduler, options)
-    with RunRecorder(args.output_dir, ctx, data.class_names, vars(args), start_epoch) as recorder:
+    ema = build_ema(model, args.model_ema, args.model_ema_decay, args.accum_steps, saved.state)
+    start_epoch, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
             start_epoch, best_acc, options, ema)
 

@@ -31,6 +31,13 @@ class SplitData:
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    def to_record(self, root: str | os.PathLike) -> dict[str, list[str]]:
+        """The class list and the split, with paths relative to `root`: what a run keeps in its output
+        folder and its checkpoint, so that a resume trains and validates on the same images."""
+        return {"class_names": self.class_names,
+                "train": [os.path.relpath(path, root) for path in self.train_images_path],
+                "val": [os.path.relpath(path, root) for path in self.val_images_path]}
+
 
 def is_image_file(name: str) -> bool:
     # Names starting with a dot are hidden files, such as the "._photo.jpg" copies macOS leaves behind.
@@ -84,6 +91,45 @@ def read_split_data(root: str | os.PathLike, val_rate: float = 0.2, seed: int = 
             labels.append(label)
         split.class_names.append(folder.name)
     return split
+
+
+def reuse_split(root: str | os.PathLike, record: dict[str, list[str]]) -> tuple[SplitData, str | None]:
+    """The split a run was started with (`SplitData.to_record`), on the images `root` holds now.
+
+    The classes must be the same folders, or every class index would mean another class. Images still
+    there keep their side of the split; images gone are dropped; new images are left out, since putting
+    them on either side would change what the run trains or validates on. Returns the split and a note
+    of what changed, or None.
+    """
+    root = Path(root)
+    classes = [folder.name for folder in class_folders(root)]
+    if classes != record["class_names"]:
+        raise UserInputError(f"--data-path {root}: the classes differ from the run's ({class_changes(record, classes)}"
+                             "); a run keeps its classes: start a new run (another --output-dir) for these")
+    present = {os.path.relpath(path, root) for folder in class_folders(root) for path in list_images(folder)}
+    split = SplitData([], [], [], [], list(classes))
+    for side, paths, labels in (("train", split.train_images_path, split.train_images_label),
+                                ("val", split.val_images_path, split.val_images_label)):
+        for relative in record[side]:
+            if relative in present:
+                paths.append(str(root / relative))
+                labels.append(classes.index(Path(relative).parts[0]))
+    kept = len(split.train_images_path) + len(split.val_images_path)
+    gone, added = len(record["train"]) + len(record["val"]) - kept, len(present) - kept
+    for side, paths in (("training", split.train_images_path), ("validation", split.val_images_path)):
+        if not paths:
+            raise UserInputError(f"--data-path {root}: none of the run's {side} images is there any more")
+    note = "; ".join(filter(None, [gone and f"{gone} image(s) of the run's split are gone",
+                                   added and f"{added} new image(s) are left out (a new run would use them)"]))
+    return split, note or None
+
+
+def class_changes(record: dict[str, list[str]], classes: list[str]) -> str:
+    """What differs between the run's classes and the folder's, in words."""
+    gone = sorted(set(record["class_names"]) - set(classes))
+    new = sorted(set(classes) - set(record["class_names"]))
+    words = [f"gone: {', '.join(gone)}" if gone else "", f"new: {', '.join(new)}" if new else ""]
+    return "; ".join(word for word in words if word)
 
 
 def denormalize(images: torch.Tensor) -> torch.Tensor:

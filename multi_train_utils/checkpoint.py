@@ -9,6 +9,7 @@ import pickle
 import random
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,14 +109,16 @@ def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
                     rng_states: list[dict[str, Any]], args: dict[str, Any],
-                    scaler: torch.amp.GradScaler, ema: dict[str, Any] | None = None) -> dict[str, Any]:
+                    scaler: torch.amp.GradScaler, split: dict[str, list[str]] | None = None,
+                    ema: dict[str, Any] | None = None) -> dict[str, Any]:
     """All it takes to continue after `epoch`: weights, optimizer and schedule, the fp16 loss scale, the
     best accuracy so far, the random states of every rank, the arguments (to check that a resumed run
-    is the same run), and with --model-ema the averaged weights and their best accuracy."""
+    is the same run), the classes and split it trains on, and with --model-ema the averaged weights and
+    their best accuracy."""
     return {
         "model": weights, "optimizer": to_cpu(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "epoch": epoch, "best_acc": best_acc, "rng": to_cpu(rng_states), "args": args,
+        "epoch": epoch, "best_acc": best_acc, "rng": to_cpu(rng_states), "args": args, "split": split,
         "ema": ema,
     }
 
@@ -212,10 +215,22 @@ def broadcast_from_main(obj: object) -> object:
     return box[0]
 
 
-def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext, model: nn.Module,
-           optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-           options: StepOptions) -> tuple[int, float]:
-    """Load the checkpoint to continue from, if any; return (first epoch to run, best accuracy so far)."""
+@dataclass(frozen=True)
+class SavedRun:
+    """The checkpoint a run continues from: its path and contents; both None for a fresh start."""
+
+    path: str | None = None
+    state: dict[str, Any] | None = None
+
+    @property
+    def split(self) -> dict[str, list[str]] | None:
+        """The classes and the train/validation split the run started with (None before they were saved)."""
+        return self.state.get("split") if self.state else None
+
+
+def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext) -> SavedRun:
+    """The checkpoint to continue from, read by rank 0 and sent to every rank; found before the data is
+    read, since a resumed run keeps the classes and the split it started with."""
     found: tuple[str, Any] | None = None
     if ctx.is_main:
         try:
@@ -224,17 +239,23 @@ def resume(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistCont
         except UserInputError as err:
             found = ("error", str(err))  # every rank raises it, rather than waiting for rank 0
     found = broadcast_from_main(found)
-    if found is None:
+    if found and found[0] == "error":
+        raise UserInputError(found[1])
+    return SavedRun(*found) if found else SavedRun()
+
+
+def resume(saved: SavedRun, ctx: DistContext, model: nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler, options: StepOptions) -> tuple[int, float]:
+    """Load the saved run into this one, if there is one; return (first epoch to run, best accuracy so far)."""
+    if saved.state is None:
         return 0, 0.0
-    path, checkpoint = found
-    if path == "error":
-        raise UserInputError(checkpoint)
+    path, checkpoint = saved.path, saved.state
     try:
         unwrap_model(model).load_state_dict(checkpoint["model"])
         load_optimizer_state(optimizer, checkpoint["optimizer"])
     except (RuntimeError, ValueError) as err:
-        saved = checkpoint.get("args", {})
-        raise UserInputError(f"--resume {path}: saved from --model {saved.get('model')} on data with other "
+        args = checkpoint.get("args", {})
+        raise UserInputError(f"--resume {path}: saved from --model {args.get('model')} on data with other "
                              f"classes or another model; it does not fit ({str(err).splitlines()[0]})") from None
     scheduler.load_state_dict(checkpoint["scheduler"])
     if options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved by a run without fp16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,13 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from demo_data import ensure_demo_data
-from my_dataset import MyDataSet
-from utils import SplitData, read_split_data
+from my_dataset import MyDataSet, header_problem
+from utils import SplitData, read_split_data, reuse_split
 
-from .distributed_utils import DistContext, barrier, print_main
+from .distributed_utils import DistContext, barrier, is_dist_avail_and_initialized, print_main
 from .errors import UserInputError
 from .gpu_decode import EncodedImages
 from .launch import usable_cpus
@@ -33,6 +35,7 @@ class DataSets:
     train: MyDataSet
     val: MyDataSet
     class_names: list[str]
+    split: dict[str, list[str]]  # the classes and the split, as a run keeps them (SplitData.to_record)
 
     @property
     def num_classes(self) -> int:
@@ -50,21 +53,50 @@ def resolve_data_path(data_path: str | None, ctx: DistContext) -> Path:
 
 
 def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_classes: int | None = None,
-                  seed: int = 0, decode_on: str = "cpu") -> DataSets:
-    """Split the image folder and wrap both halves in datasets with their transforms. decode_on "gpu":
-    the training images are decoded and augmented on the GPU (validation's stay on the workers)."""
+                  seed: int = 0, decode_on: str = "cpu", saved_split: dict[str, list[str]] | None = None,
+                  ) -> DataSets:
+    """Split the image folder (or keep the split a resumed run saved) and wrap both halves in datasets with
+    their transforms. decode_on "gpu": the training images are decoded and augmented on the GPU
+    (validation's stay on the workers)."""
     root = resolve_data_path(data_path, ctx)
-    split: SplitData = read_split_data(root, seed=seed)
+    split = choose_split(root, seed, saved_split)
     if num_classes is not None and num_classes != split.num_classes:
         raise UserInputError(f"--num_classes {num_classes}: the data in {root} has {split.num_classes} "
                              f"classes ({', '.join(split.class_names)})")
+    check_image_files(split.train_images_path + split.val_images_path, ctx)
     print_main(f"{root}: {split.num_classes} classes, {len(split.train_images_path)} images for training, "
                f"{len(split.val_images_path)} for validation")
     train_tf, val_tf = build_transforms(image_size)
     train = (EncodedImages(split.train_images_path, split.train_images_label, image_size)
              if decode_on == "gpu" and can_decode_on_gpu(split.train_images_path, ctx)
              else MyDataSet(split.train_images_path, split.train_images_label, train_tf))
-    return DataSets(train, MyDataSet(split.val_images_path, split.val_images_label, val_tf), split.class_names)
+    return DataSets(train, MyDataSet(split.val_images_path, split.val_images_label, val_tf), split.class_names,
+                    split.to_record(root))
+
+
+def choose_split(root: Path, seed: int, saved_split: dict[str, list[str]] | None) -> SplitData:
+    """A new split of the folder, or, for a resumed run, the one it started with (what changed is said)."""
+    if saved_split is None:
+        return read_split_data(root, seed=seed)
+    split, changes = reuse_split(root, saved_split)
+    if changes:
+        print_main(f"{root}: {changes}; the run keeps its split for the other images")
+    return split
+
+
+def check_image_files(paths: list[str], ctx: DistContext, shown: int = 5) -> None:
+    """Stop before the first epoch if any image file is damaged, naming the bad files at once: otherwise a
+    bad validation image is found only after a whole epoch of training. Each process checks the headers
+    of its share of the files; the lists are gathered so that every process stops alike."""
+    bad = [f"{path} ({problem})" for path in paths[ctx.rank::ctx.world_size] if (problem := header_problem(path))]
+    if is_dist_avail_and_initialized():
+        shares: list[list[str]] = [[] for _ in range(ctx.world_size)]
+        dist.all_gather_object(shares, bad)
+        bad = [entry for share in shares for entry in share]
+    if bad:
+        more = f" and {len(bad) - shown} more" if len(bad) > shown else ""
+        raise UserInputError(f"{len(bad)} image file(s) cannot be read: {', '.join(sorted(bad)[:shown])}{more}; "
+                             "delete or replace them")
 
 
 def can_decode_on_gpu(paths: list[str], ctx: DistContext) -> bool:
@@ -124,13 +156,20 @@ def build_loaders(datasets: DataSets, batch_size: int, ctx: DistContext, workers
     val_sampler = UnpaddedDistributedSampler(len(datasets.val), ctx.world_size, ctx.rank)
     workers = default_workers(ctx) if workers is None else workers
     common = dict(num_workers=workers, pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
-                  collate_fn=datasets.train.collate_fn, multiprocessing_context=loader_start_method(workers))
+                  collate_fn=datasets.train.collate_fn, multiprocessing_context=loader_start_method(workers),
+                  worker_init_fn=leave_ctrl_c_to_the_trainer)
     # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
     train_loader = DataLoader(datasets.train, batch_size=batch_size, sampler=train_sampler, drop_last=True,
                               **common)
     val_loader = DataLoader(datasets.val, batch_size=batch_size, sampler=val_sampler, **common)
     print_main(f"Using {workers} data-loader workers per process")
     return train_loader, val_loader
+
+
+def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C reaches every process of the terminal's group, the loader workers too; each would print a
+    KeyboardInterrupt traceback. The training process stops them itself, so they ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def loader_start_method(workers: int) -> str | None:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import numpy as np
 import torch
@@ -36,28 +42,53 @@ def args_table(args: dict[str, Any]) -> str:
     return "\n".join(["| argument | value |", "| --- | --- |", *rows])
 
 
+def claim_folder(folder: Path) -> TextIO:
+    """Lock `folder` for this run's life: a second run into it stops at once, instead of both writing the
+    same files. The system releases the lock when the returned file is closed or the process ends,
+    however it ends. (No lock on Windows, which has no flock.)"""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / ".lock", "a+")  # noqa: SIM115 - held open for the run's life
+    if fcntl is None:
+        return lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let it "
+                             "finish, or choose another --output-dir") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
 class RunRecorder:
-    """Writes class_indices.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
+    """Writes class_indices.json, split.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
     weights/best.pth and the checkpoint that --resume continues from.
 
     On ranks other than 0 every method does nothing, so the training loop never checks the rank.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, ctx: DistContext, class_names: list[str],
+    def __init__(self, output_dir: str | os.PathLike, ctx: DistContext, split: dict[str, list[str]],
                  args: dict[str, Any], start_epoch: int = 0) -> None:
         self.enabled = ctx.is_main
         self.args = args
         self.save_every = args.get("save_every", 1)
         self.keep_epoch_weights = args.get("keep_epoch_weights", True)
-        self.class_names = class_names
+        self.split = split
+        self.class_names = split["class_names"]
         self.output_dir = Path(output_dir)
         self.weights_dir = self.output_dir / "weights"
         if not self.enabled:
             return
         try:
-            self.weights_dir.mkdir(parents=True, exist_ok=True)
+            self.lock = claim_folder(self.output_dir)
+            self.weights_dir.mkdir(exist_ok=True)
             (self.output_dir / "class_indices.json").write_text(
-                json.dumps(dict(enumerate(class_names)), indent=4) + "\n")
+                json.dumps(dict(enumerate(self.class_names)), indent=4) + "\n")
+            (self.output_dir / "split.json").write_text(json.dumps(split) + "\n")
             self.metrics_file = self.open_metrics(start_epoch)
         except OSError as err:
             raise UserInputError(f"--output-dir {self.output_dir}: cannot write there ({err.strerror})") from None
@@ -139,6 +170,7 @@ class RunRecorder:
         if self.enabled:
             self.metrics_file.close()
             self.tensorboard.close()
+            self.lock.close()  # lets the next run into this folder start
 
     def __enter__(self) -> RunRecorder:
         return self

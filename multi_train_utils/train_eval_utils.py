@@ -248,7 +248,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
             # gather_rng_states is a collective, so every rank builds the checkpoint; rank 0 writes it.
             checkpoint = partial(make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
                                  best_acc=best_acc, rng_states=gather_rng_states(), args=recorder.args,
-                                 scaler=options.scaler, ema=ema.state_dict() if ema else None)
+                                 scaler=options.scaler, split=recorder.split, ema=ema.state_dict() if ema else None)
         recorder.end_epoch(model, metrics, improved, checkpoint, ema.model if ema_improved else None)
     return result
 

@@ -12,7 +12,6 @@ import torch
 import train_single_gpu
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, torchrun
 from multi_train_utils.cli import parse_args
-from utils import read_split_data
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +40,12 @@ def eval_only(data: Path, out: Path, *extra: str, processes: int = 1) -> dict:
 
 
 def test_every_epoch_records_a_confusion_matrix_summing_to_the_validation_count(trained: tuple[Path, Path]) -> None:
-    split = read_split_data(trained[0], seed=0)
+    split = json.loads((trained[1] / "split.json").read_text())
+    counts = {name: sum(Path(relative).parts[0] == name for relative in split["val"]) for name in split["class_names"]}
     for line in metrics(trained[1]):
         assert line["val_total"] == 5 and sum(map(sum, line["confusion_matrix"])) == 5
         assert sum(line["confusion_matrix"][i][i] for i in range(3)) == line["val_correct"]
-        assert {name: figures["count"] for name, figures in line["per_class"].items()} == {
-            name: split.val_images_label.count(index) for index, name in enumerate(split.class_names)}
+        assert {name: figures["count"] for name, figures in line["per_class"].items()} == counts
         assert "ema_val_acc" in line
 
 
@@ -74,17 +73,18 @@ def test_the_averaged_weights_are_saved_in_the_checkpoint_and_evaluated(trained:
 
 def test_predict_agrees_with_the_evaluation_on_the_same_files(trained: tuple[Path, Path], tmp_path: Path) -> None:
     data, out = trained
-    split = read_split_data(data, seed=0)
+    split = json.loads((out / "split.json").read_text())  # the run's own validation images
+    images = [str(data / relative) for relative in split["val"]]
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"not a picture")
     result = run([python(), str(REPO / "predict.py"), "--run", str(out), "--json", "--top-k", "2",
-                  *split.val_images_path, str(broken)], timeout=120)
+                  *images, str(broken)], timeout=120)
     assert result.returncode == 1, "a file could not be read"
     assert result.stderr.strip() == f"error: cannot read image {broken}: cannot identify image file '{broken}'"
     predictions = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [p["image"] for p in predictions] == split.val_images_path, "every readable file, in order"
+    assert [p["image"] for p in predictions] == images, "every readable file, in order"
     assert all(len(p["top"]) == 2 and p["top"][0]["probability"] >= p["top"][1]["probability"] for p in predictions)
-    correct = sum(p["top"][0]["class"] == split.class_names[label]
-                  for p, label in zip(predictions, split.val_images_label, strict=True))
+    correct = sum(p["top"][0]["class"] == Path(relative).parts[0]
+                  for p, relative in zip(predictions, split["val"], strict=True))
     best = max(metrics(out), key=lambda m: (m["val_acc"], m["epoch"]))
     assert correct == best["val_correct"]

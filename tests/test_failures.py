@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import train_single_gpu
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
+from multi_train_utils.cli import parse_args
+from multi_train_utils.errors import UserInputError
+from multi_train_utils.recorder import claim_folder
 
 SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
            "torchrun": [*torchrun(), "--standalone", "--nproc_per_node=2",
@@ -70,7 +75,8 @@ def test_a_corrupt_image_is_named_in_one_line(tmp_path: Path, launcher: str, wor
     """With several processes, one of them reads the file: it says so, and the others, whose next
     collective then fails, stop without a word."""
     broken = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
-    (broken / "b" / "b_004.jpg").write_bytes(b"\xff\xd8\xff\xe0 this JPEG stops here")
+    photo = broken / "b" / "b_004.jpg"
+    photo.write_bytes(photo.read_bytes()[:-100])  # its header is whole: only decoding finds the damage
     result = run([*SCRIPTS[launcher], "--data-path", str(broken), "--output-dir", str(tmp_path / "run"),
                   *TINY_FLAGS, "--workers", workers, "--epochs", "2"], timeout=120)
     assert result.returncode == (1 if launcher == "torchrun" else 2)  # torchrun exits 1 for any failed worker
@@ -113,3 +119,34 @@ def test_a_rank_that_stops_answering_is_named_and_the_job_ends(data: Path, tmp_p
     assert time.monotonic() - started < 90, "the job must end soon after the time-out, not hang"
     one_line_error(result, "rank 0 waited longer than --dist-timeout for the other processes; rank(s) 1 stopped "
                            "answering")
+
+
+def test_a_second_run_into_a_folder_in_use_stops_in_one_line_and_writes_nothing(data: Path, tmp_path: Path) -> None:
+    """Two runs into one --output-dir would each write the other's files (and two records on one line of
+    metrics.jsonl). The first holds a lock for its life, which the system frees when it ends."""
+    out = tmp_path / "run"
+    held = claim_folder(out)  # as the first run holds it
+    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS], timeout=120)
+    assert result.returncode == 2
+    one_line_error(result, f"--output-dir {out}: another run is writing there (process {os.getpid()} on")
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    held.close()  # the first run ends
+    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_every_damaged_image_is_named_before_the_first_epoch(tmp_path: Path) -> None:
+    """A damaged validation image used to be found after a whole epoch of training; now the headers of all
+    files are read first, and all bad files are named at once."""
+    folder = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
+    (folder / "a" / "a_001.jpg").write_bytes(b"")
+    (folder / "b" / "b_002.jpg").write_text("<html>not found</html>")
+    (folder / "b" / "b_004.jpg").write_bytes(b"\xff\xd8\xff\xe0 this JPEG stops here")
+    args = parse_args("single", ["--data-path", str(folder), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS])
+    with pytest.raises(UserInputError) as found:
+        train_single_gpu.main(args)
+    message = str(found.value)
+    assert message.startswith("3 image file(s) cannot be read: ") and message.endswith("; delete or replace them")
+    for name in ("a/a_001.jpg (empty)", "b/b_002.jpg (not an image", "b/b_004.jpg (not an image"):
+        assert name in message, message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists(), "stopped before any training"

@@ -20,6 +20,7 @@ from utils import IMAGENET_MEAN, IMAGENET_STD
 
 SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
 CLASSES = ["red", "green", "blue"]
+SPLIT = {"class_names": CLASSES, "train": ["red/1.jpg"], "val": ["red/2.jpg"]}
 
 
 def read_events(output_dir: Path) -> EventAccumulator:
@@ -43,7 +44,7 @@ def epoch_metrics(epoch: int) -> dict:
 
 def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp_path: Path) -> None:
     model = nn.Linear(2, 3)
-    with RunRecorder(tmp_path, single_process("cpu"), CLASSES, {"lr": 0.01, "model": "resnet18"}) as recorder:
+    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {"lr": 0.01, "model": "resnet18"}) as recorder:
         recorder.add_batch_grid(normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]), torch.tensor([0, 1, 2]))
         for epoch in range(3):
             recorder.end_epoch(model, epoch_metrics(epoch), improved=True)
@@ -67,7 +68,7 @@ def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     rank1 = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"),
                         distributed=True)
-    with RunRecorder(tmp_path / "run", rank1, CLASSES, {}) as recorder:
+    with RunRecorder(tmp_path / "run", rank1, SPLIT, {}) as recorder:
         recorder.add_batch_grid(normalised_batch([(255, 0, 0)]), torch.tensor([0]))
         recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=True)
     assert not (tmp_path / "run").exists()
@@ -96,7 +97,7 @@ def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path
         written.append(epoch)
         return {"model": weights, "epoch": epoch}
 
-    with RunRecorder(tmp_path, single_process("cpu"), CLASSES, args) as recorder:
+    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, args) as recorder:
         for epoch in range(5):
             due = recorder.checkpoint_due(epoch, last_epoch=4)
             recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=epoch == 1,
@@ -107,7 +108,7 @@ def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path
 
 
 def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Path) -> None:
-    with RunRecorder(tmp_path, single_process("cpu"), CLASSES, {}) as recorder:
+    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}) as recorder:
         assert all(recorder.checkpoint_due(epoch, last_epoch=9) for epoch in range(10))
         recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=False)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["model-0.pth"]
@@ -115,6 +116,6 @@ def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Pat
 
 def test_the_tensorboard_hint_quotes_a_path_with_spaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "my runs" / "run 1"
-    with RunRecorder(out, single_process("cpu"), CLASSES, {}):
+    with RunRecorder(out, single_process("cpu"), SPLIT, {}):
         pass
     assert f"tensorboard --logdir '{out}'" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import torch
 
 import multi_train_utils.train_eval_utils as engine
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
+from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun, write_image
 from multi_train_utils import checkpoint
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
@@ -90,8 +90,9 @@ def test_a_checkpoint_of_another_model_or_class_count_is_a_clear_error(data: Pat
     result = run([python(), str(REPO / "train_single_gpu.py"), "--output-dir", str(tmp_path / "second"),
                   *RESUME_FLAGS, *flags, "--resume", str(tmp_path / "first" / "checkpoint.pth")], timeout=120)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"error: --resume {tmp_path / 'first' / 'checkpoint.pth'}: saved from --model "
-                                    "resnet18"), result.stderr
+    expected = (f"error: --resume {tmp_path / 'first' / 'checkpoint.pth'}: saved from --model resnet18"
+                if mismatch == "model" else f"error: --data-path {other_data}: the classes differ from the run's")
+    assert result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
@@ -130,7 +131,8 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
     optimizer, scheduler = build_optimizer(model, lr=0.002 * 4, epochs=2)
     four = DistContext(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"),
                        distributed=False)
-    assert checkpoint.resume("auto", tmp_path, four, model, optimizer, scheduler, StepOptions()) == (
+    saved = checkpoint.find_saved_run("auto", tmp_path, four)
+    assert checkpoint.resume(saved, four, model, optimizer, scheduler, StepOptions()) == (
         2, pytest.approx(torch.load(tmp_path / "checkpoint.pth", weights_only=True)["best_acc"]))
     saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved["optimizer"]["param_groups"][0]["lr"])
@@ -139,7 +141,8 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
     optimizer, scheduler = build_optimizer(model, lr=0.002 * 6, epochs=2)
     two = DistContext(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
                       distributed=False)
-    checkpoint.resume("auto", tmp_path, two, model, optimizer, scheduler, StepOptions(accum_steps=3))
+    checkpoint.resume(checkpoint.find_saved_run("auto", tmp_path, two), two, model, optimizer, scheduler,
+                      StepOptions(accum_steps=3))
     assert optimizer.param_groups[0]["lr"] == pytest.approx(6 * saved["optimizer"]["param_groups"][0]["lr"])
     assert scheduler.base_lrs == [pytest.approx(0.012)]
     train(data, tmp_path, "--epochs", "3", "--resume", "auto")  # the torn line is dropped, not a crash
@@ -226,3 +229,30 @@ def test_torchrun_restart_after_a_sigkilled_rank_ends_with_the_same_weights(data
                           tmp_path / "broken" / "weights" / "model-2.pth") <= 1e-6
     lines = [json.loads(line) for line in (tmp_path / "broken" / "metrics.jsonl").read_text().splitlines()]
     assert [m["epoch"] for m in lines] == [0, 1, 2]
+
+
+def test_a_resume_keeps_the_runs_classes_and_split_whatever_happened_to_the_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A class folder renamed would re-map every class index; images deleted would re-draw the whole split
+    and validate on images the model trained on. The run keeps what it started with, or stops."""
+    data = make_image_folder(tmp_path / "images", {"red": 10, "green": 10, "blue": 10})
+    out = tmp_path / "run"
+    train(data, out, "--epochs", "1")
+    started = json.loads((out / "split.json").read_text())
+    assert started == torch.load(out / "checkpoint.pth", weights_only=True)["split"]
+    assert started["class_names"] == ["blue", "green", "red"] and len(started["train"]) == 24
+
+    (data / started["train"][0]).unlink()
+    (data / started["val"][0]).unlink()
+    write_image(data / "red" / "new_photo.jpg", (220, 40, 40))
+    capsys.readouterr()
+    train(data, out, "--epochs", "2", "--resume", "auto")
+    assert "2 image(s) of the run's split are gone; 1 new image(s) are left out" in capsys.readouterr().out
+    kept = json.loads((out / "split.json").read_text())
+    assert kept["train"] == started["train"][1:] and kept["val"] == started["val"][1:]
+
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    (data / "red").rename(data / "crimson")
+    with pytest.raises(UserInputError, match=r"the classes differ from the run's \(gone: red; new: crimson\)"):
+        train(data, out, "--epochs", "3", "--resume", "auto")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before, "nothing written is lost"

@@ -100,8 +100,42 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
                 os.kill(pid, signal.SIGKILL)
     output = (tmp_path / "log").read_text()
     assert run.returncode != 0, output[-3000:]
+    # A stop is one line, not every process's traceback. (torchrun prints a traceback of its own agent.)
+    our_frames = [line for line in output.splitlines()
+                  if line.startswith('  File "') and str(REPO) in line and "site-packages" not in line]
+    assert our_frames == [] and ("Traceback" not in output or launcher == "torchrun"), output[-3000:]
     assert elapsed < 15, f"the launcher took {elapsed:.1f} s to end"
     assert left == [], f"still running: {left}"
     assert port_is_free(port) or launcher == "single"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0
     assert not list(out.glob(".*.partial"))
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """Each item takes a while, as a large JPEG does: Ctrl-C finds the worker in the middle of one."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        Path(os.environ["WORKER_PID_FILE"]).write_text(str(os.getpid()))
+        time.sleep(1.5)
+        return index
+
+
+def test_ctrl_c_in_a_loader_worker_is_left_to_the_training_process(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C reaches the loader workers too; one busy with an item would raise KeyboardInterrupt, which the
+    loader re-raises in the training process with the worker's traceback, once per worker."""
+    from multi_train_utils.data import leave_ctrl_c_to_the_trainer
+
+    monkeypatch.setenv("WORKER_PID_FILE", str(tmp_path / "worker"))
+    loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=1, num_workers=1,
+                                         worker_init_fn=leave_ctrl_c_to_the_trainer, multiprocessing_context="fork")
+    batches = iter(loader)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "worker").exists():
+        assert time.monotonic() < deadline, "the worker never started an item"
+        time.sleep(0.05)
+    os.kill(int((tmp_path / "worker").read_text()), signal.SIGINT)  # while it sleeps inside the item
+    assert next(batches).tolist() == [0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import multi_train_utils.train_eval_utils as engine
+import multi_train_utils.step_options as step_options
 import train_single_gpu
 from conftest import TINY_FLAGS, make_image_folder
 from multi_train_utils import checkpoint
@@ -67,7 +67,7 @@ def test_channels_last_reaches_the_weights_and_the_images() -> None:
 def test_amp_choices_on_cpu(amp: str, has_bf16: bool, expected: torch.dtype | None,
                             monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """auto never picks an emulated bf16 (25 times slower here); an explicit bf16 is kept, with a warning."""
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr(step_options, "cpu_has_bf16", lambda: has_bf16)
     assert autocast_dtype(amp, torch.device("cpu")) == expected
     warned = "this CPU has no bfloat16 instructions" in capsys.readouterr().out
     assert warned == (amp != "off" and not has_bf16)
@@ -79,7 +79,7 @@ def test_fp16_on_cpu_is_refused_naming_the_flag() -> None:
 
 
 def test_options_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(step_options, "cpu_has_bf16", lambda: True)
     args = parse_args("launch", ["--amp", "--channels-last", "--accum-steps", "3", "--comm-hook", "bf16",
                                  "--bucket-cap-mb", "50"])
     options = StepOptions.from_args(args, torch.device("cpu"))
@@ -102,7 +102,9 @@ def test_the_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
                                        {"model": "small"}, scaler)
     checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
     options = StepOptions(scaler=torch.amp.GradScaler("cpu"))
-    start_epoch, _ = checkpoint.resume("auto", tmp_path, single_process("cpu"), model, optimizer, scheduler, options)
+    ctx = single_process("cpu")
+    start_epoch, _ = checkpoint.resume(checkpoint.find_saved_run("auto", tmp_path, ctx), ctx, model, optimizer,
+                                       scheduler, options)
     assert start_epoch == 1 and options.scaler.get_scale() == 256.0
 
 
@@ -116,7 +118,8 @@ def test_a_run_without_fp16_resumes_with_fp16(tmp_path: Path) -> None:
     assert saved["scaler"] == {}
     checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
     options = StepOptions(scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
-    checkpoint.resume("auto", tmp_path, single_process("cpu"), model, optimizer, scheduler, options)
+    ctx = single_process("cpu")
+    checkpoint.resume(checkpoint.find_saved_run("auto", tmp_path, ctx), ctx, model, optimizer, scheduler, options)
     assert options.scaler.get_scale() == 512.0
 
 
