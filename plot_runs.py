@@ -110,7 +110,7 @@ def plot_epoch_time(runs: Sequence[Run]) -> Figure:
 def save_confusion_matrix(run: Run, path: Path) -> Path:
     """The last epoch's confusion matrix of `run`, with its class names (per_class lists them in index order)."""
     last = run.metrics[-1]
-    title = f"{run.label}, epoch {last['epoch']}: rows true class, columns predicted"
+    title = f"{run.label}, epoch {last['epoch']}: rows true class, columns predicted class"
     confusion_image(last["confusion_matrix"], list(last["per_class"]), title).save(path)
     print(f"Wrote {path}")
     return path

@@ -41,9 +41,11 @@ def confusion_image(confusion: list[list[int]], class_names: list[str], title: s
     label_width = max(int(font.getlength(name)) for name in class_names) + 12
     top = 48 + label_width  # room for the title and the predicted classes' names, written upwards
     side = len(class_names) * CELL
-    image = Image.new("RGB", (label_width + side + 12, top + side + 30), "white")
+    title = title or "Confusion matrix (rows: true class, columns: predicted)"
+    width = max(label_width + side, int(font.getlength(title))) + 12
+    image = Image.new("RGB", (width, top + side + 30), "white")
     draw = ImageDraw.Draw(image)
-    draw.text((6, 6), title or "Confusion matrix (rows: true class, columns: predicted)", fill="black", font=font)
+    draw.text((6, 6), title, fill="black", font=font)
     shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
     for row, name in enumerate(class_names):
         draw.text((6, top + row * CELL + CELL // 2 - 7), name, fill="black", font=font)
