@@ -89,6 +89,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--accum-steps", type=at_least(1), default=1, help="batches per optimizer step (and per all-reduce)")
     add("--bucket-cap-mb", type=positive_float, default=25.0)
     add("--comm-hook", default="none", choices=COMM_HOOKS)
+    add("--decode-on", choices=("cpu", "gpu"), default="cpu", help="where the image folder's JPEGs are decoded")
+    add("--sources", default=",".join(SOURCES), choices=("synthetic,folder", "synthetic", "folder"), metavar="SOURCES",
+        help="what to train on: tensors already in memory, the image folder, or both")
     add("--skip-launch", action="store_true", help="do not measure the time to the first step")
     add("--loader-only", action="store_true", help="time the data loader alone, no model: images/s per worker "
         "(--workers, default 1; 0: this process alone) of the default pipeline and of the tutorial's, on "
@@ -196,7 +199,7 @@ def training_batches(args: argparse.Namespace, ctx: DistContext) -> tuple[Iterat
     total = args.warmup_steps + args.repeats * args.steps
     if args.source == "synthetic":
         return iter(synthetic_loader(args, ctx, 5, total)), 5, args.warmup_steps
-    data = load_datasets(args.data_path, args.image_size, ctx)
+    data = load_datasets(args.data_path, args.image_size, ctx, decode_on=args.decode_on)
     loader, _ = build_loaders(data, args.batch_size, ctx, args.workers)
     warmup_steps = args.warmup_steps + 2 * loader.num_workers
     return iter(Batches(loader, total + 2 * loader.num_workers)), data.num_classes, warmup_steps
@@ -352,7 +355,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         modes = MODES if args.nproc > 1 else ("single",)
         for _ in range(args.rounds):
-            for source in SOURCES:
+            for source in args.sources.split(","):
                 add_round(results[source], {mode: run_configuration(args, mode, source, Path(scratch))
                                             for mode in modes})
         launch = {}

@@ -10,6 +10,7 @@ that fails or runs out of time is reported, and the others still run):
              one-GPU machine, two where two GPUs are visible), with its final accuracy against the CPU run's
   benchmark  ResNet-34 at 224 px, bf16, channels-last, a batch that fills the GPU, on synthetic tensors
              and on an image folder: images/s, peak memory, pipeline ratio
+  benchmark_decode_gpu  the image folder again, its JPEGs decoded on the GPU (--decode-on gpu)
 
 Without a GPU it prints one line saying so and exits 0. It needs nothing but the working tree and an
 installed torch and torchvision (plus pytest for the tests): it writes its own demo data and photo folder.
@@ -47,7 +48,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                         help="folder for the runs' outputs and logs")
     parser.add_argument("--batch-size", type=int, default=256, help="benchmark batch per GPU")
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all parts together")
-    parser.add_argument("--parts", default="tests,demo,benchmark", help="which parts to run, comma-separated")
+    parser.add_argument("--parts", default="tests,demo,benchmark,benchmark_decode_gpu",
+                        help="which parts to run, comma-separated")
     return parser
 
 
@@ -147,14 +149,19 @@ def photo_folder(work_dir: Path) -> Path:
     return target
 
 
-def check_benchmark(budget: Budget, log_dir: Path, work_dir: Path, batch_size: int) -> dict:
+def check_benchmark(budget: Budget, log_dir: Path, work_dir: Path, batch_size: int, decode_on: str = "cpu") -> dict:
+    """The benchmark on both sources with the workers decoding; with decode_on "gpu", the image folder
+    alone, decoded by nvjpeg, to compare with the first run's synthetic figure."""
     workers = max(1, len(os.sched_getaffinity(0)) // min(2, torch.cuda.device_count()) - 1)
+    name = f"benchmark_decode_{decode_on}"
     cmd = [sys.executable, str(REPO / "bench" / "benchmark.py"), "--device", "cuda",
            "--nproc", str(min(2, torch.cuda.device_count())), "--model", "resnet34", "--image-size", "224",
            "--batch-size", str(batch_size), "--amp", "bf16", "--channels-last", "--steps", "30",
            "--warmup-steps", "15", "--repeats", "3", "--rounds", "1", "--workers", str(workers), "--skip-launch",
-           "--data-path", str(photo_folder(work_dir)), "--output", str(work_dir / "benchmark.json")]
-    code, output, seconds = run_part("benchmark", cmd, budget.allow(240), log_dir)
+           "--data-path", str(photo_folder(work_dir)), "--decode-on", decode_on,
+           "--sources", "synthetic,folder" if decode_on == "cpu" else "folder",
+           "--output", str(work_dir / f"{name}.json")]
+    code, output, seconds = run_part(name, cmd, budget.allow(240), log_dir)
     result = outcome(code, output, seconds)
     if code == 0:
         figures = json.loads(output.strip().splitlines()[-1])
@@ -185,7 +192,8 @@ def main() -> None:
     result: dict = {"machine": machine()}
     checks = {"tests": lambda: check_tests(budget, log_dir),
               "demo": lambda: check_demo(budget, log_dir, work_dir),
-              "benchmark": lambda: check_benchmark(budget, log_dir, work_dir, args.batch_size)}
+              "benchmark": lambda: check_benchmark(budget, log_dir, work_dir, args.batch_size),
+              "benchmark_decode_gpu": lambda: check_benchmark(budget, log_dir, work_dir, args.batch_size, "gpu")}
     for name in parts:
         try:
             result[name] = checks[name]() if budget.allow(1) else {"status": "not run: out of time"}

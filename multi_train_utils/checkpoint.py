@@ -32,6 +32,7 @@ def save_atomic(obj: object, path: Path) -> None:
     removes its temporary file, so that it does not keep the disk full, and ends in one line."""
     handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
+        os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp's file is private; a saved file is not
         with os.fdopen(handle, "wb") as file:
             torch.save(obj, file)
         os.replace(scratch, path)
@@ -42,6 +43,12 @@ def save_atomic(obj: object, path: Path) -> None:
             raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}; the files "
                                  "written before it are kept") from None
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 LOW_DISK_BYTES = 64 * 2**20

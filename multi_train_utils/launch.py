@@ -44,9 +44,10 @@ def detect_launch(env: Mapping[str, str], spawn_rank: int | None = None,
             raise ValueError("spawn_world_size is needed with spawn_rank")
         return Launch(spawn_rank, spawn_rank, spawn_world_size, spawn_world_size, "spawn")
     if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = int(env["WORLD_SIZE"])
-        return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), world_size,
-                      int(env.get("LOCAL_WORLD_SIZE", world_size)), "torchrun")
+        # torchrun also says how many of the processes share this machine. Whoever sets RANK and WORLD_SIZE
+        # alone (a cluster operator that starts one process per container) starts one per machine.
+        return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                      int(env.get("LOCAL_WORLD_SIZE", 1)), "torchrun")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         # Only srun sets SLURM_STEP_NUM_TASKS. A batch script or an salloc shell also has SLURM_PROCID=0
         # and the allocation's SLURM_NTASKS, but no other tasks will come: there we run as one process.

@@ -149,3 +149,12 @@ def test_the_gpu_check_counts_the_tests_of_a_junit_report(tmp_path: Path) -> Non
     </testsuite></testsuites>''')
     assert gpu_check.count_results(report) == {"passed": 1, "failed": 2, "skipped": 1,
                                                "failures": ["test_b", "test_d"]}
+
+
+def test_the_image_folder_alone_is_summarised_without_the_synthetic_figures() -> None:
+    """--sources folder (gpu_check's run with --decode-on gpu): the folder's figures, None for the rest."""
+    folder_only = {"synthetic": {}, "folder": made_up_results()["folder"]}
+    summary = benchmark.summarize(bench_args(sources="folder"), folder_only, {}, 81.2, 480)
+    assert summary["folder_single_images_per_s"] == 36.0 and summary["folder_ddp_images_per_s"] == pytest.approx(34.2)
+    assert summary["single_images_per_s"] is summary["pipeline_ratio"] is summary["allreduce_s"] is None
+    json.dumps(summary)

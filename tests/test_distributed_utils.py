@@ -41,6 +41,16 @@ def test_torchrun_variables() -> None:
     assert launch.master_addr is None  # torchrun sets MASTER_ADDR itself; we leave it alone
 
 
+def test_one_process_per_container_when_only_rank_and_world_size_are_set() -> None:
+    """Kubernetes' PyTorchJob without torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each
+    pod: one process per pod, which must not divide the pod's CPUs by the world size or count its one GPU
+    as too few for WORLD_SIZE processes."""
+    env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}
+    launch = detect_launch(env)
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (3, 0, 4, 1)
+    check_one_gpu_per_process(launch, 1, env)
+
+
 def test_slurm_variables_under_srun() -> None:
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1",
            "SLURM_NNODES": "2",

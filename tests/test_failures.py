@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,29 @@ def test_every_damaged_image_is_named_before_the_first_epoch(tmp_path: Path) -> 
     for name in ("a/a_001.jpg (empty)", "b/b_002.jpg (not an image", "b/b_004.jpg (not an image"):
         assert name in message, message
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "stopped before any training"
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 30 MB file system of its own (tmpfs), which training fills: a full disk, for real."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_every_rank_in_one_line_and_keeps_the_last_checkpoint(data: Path,
+                                                                               small_disk: Path) -> None:
+    out = small_disk / "run"
+    result = run([*SCRIPTS["spawn"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                  "--model", "mobilenet_v3_small", "--epochs", "6"], timeout=120)
+    assert result.returncode == 2
+    one_line_error(result, "the disk is full")
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0, "the last checkpoint is whole"
+    assert not list(out.rglob("*.partial")), "no temporary file keeps the disk full"
+    assert (out / "weights" / "model-0.pth").stat().st_mode & 0o644 == 0o644, "saved files are not private"
