@@ -126,14 +126,16 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
 
     Each process evaluates its own unpadded share with the plain model (not DDP, so ranks with one batch
     more or less never wait for each other); one all-reduce then adds all the sums. Without
-    `num_classes` the matrix is as wide as the model's output, which every rank then needs a batch to see.
+    `num_classes` no matrix is counted: every rank must all-reduce sums of one size, and a rank without a
+    batch could not learn the width of the model's output.
     """
     options = options or StepOptions(device.type)
     broadcast_buffers_from_main(model)  # every rank evaluates the model that rank 0 saves
     model = unwrap_model(model)  # uncompiled too: evaluating does not pay for a second compilation
     model.eval()
     # correct, total, summed loss, then the confusion matrix row by row: float64 counts exactly to 2**53
-    sums = None if num_classes is None else torch.zeros(3 + num_classes**2, dtype=torch.float64, device=device)
+    num_classes = num_classes or 0
+    sums = torch.zeros(3 + num_classes**2, dtype=torch.float64, device=device)
     # A bar that erases itself when done: on a terminal only, where erasing works; in a log file or a pipe
     # it would leave its frames in front of the next line (the JSON line of --eval-only).
     for images, labels in tqdm(data_loader, desc="validate", file=sys.stdout, leave=False, dynamic_ncols=True,
@@ -141,16 +143,12 @@ def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
         images, labels = options.to_device(images, labels, device)
         with options.autocast():
             logits = model(images)
-        if sums is None:
-            num_classes = logits.size(1)
-            sums = torch.zeros(3 + num_classes**2, dtype=torch.float64, device=device)
         predictions = logits.argmax(dim=1)
         sums[0] += (predictions == labels).sum()
         sums[1] += labels.numel()
         sums[2] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-        sums[3:] += count_confusion(labels, predictions, num_classes).flatten()
-    if sums is None:  # no batch and no num_classes: nothing to count
-        return EvalResult(0, 0, float("nan"))
+        if num_classes:
+            sums[3:] += count_confusion(labels, predictions, num_classes).flatten()
     totals = reduce_value(sums, average=False).cpu()
     correct, total, loss_sum = totals[:3].tolist()
     confusion = totals[3:].long().view(num_classes, num_classes).tolist()
