@@ -104,10 +104,11 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
                              f"({str(err).splitlines()[0]})") from None
 
 
-def load_weights(model: nn.Module, source: str, model_name: str) -> None:
+def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = False) -> None:
     """Copy every tensor of `source` whose name and shape fit `model`; report what was left out.
 
-    A classifier trained for another number of classes does not fit and keeps its fresh initialisation.
+    A classifier trained for another number of classes does not fit and keeps its fresh initialisation;
+    with `strict` (weights to evaluate, not to start from), every tensor must fit.
     """
     path = Path(source)
     state = read_state_dict(path) if path.exists() else download_state_dict(model_name, source)
@@ -115,19 +116,25 @@ def load_weights(model: nn.Module, source: str, model_name: str) -> None:
     fitting = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fitting:
         raise UserInputError(f"--weights {source}: none of its {len(state)} tensors fit {model_name}")
-    model.load_state_dict(fitting, strict=False)
     skipped = sorted(set(state) - set(fitting))
     missing = sorted(set(own) - set(fitting))
+    if strict and (skipped or missing):
+        raise UserInputError(f"--weights {source}: saved from another model or for other classes; "
+                             f"{len(skipped) + len(missing)} tensor(s) do not fit {model_name} "
+                             f"(such as {(skipped or missing)[0]})")
+    model.load_state_dict(fitting, strict=False)
     print_main(f"--weights {os.fspath(source)}: loaded {len(fitting)} of {len(own)} tensors"
                + (f"; skipped (name or shape differs): {', '.join(skipped)}" if skipped else "")
                + (f"; left at their initial values: {', '.join(missing)}" if missing else ""))
 
 
-def build_model(name: str, num_classes: int, weights: str = "", freeze_layers: bool = False) -> nn.Module:
-    """Create the model, load starting weights if any, and freeze all but the classifier if asked."""
+def build_model(name: str, num_classes: int, weights: str = "", freeze_layers: bool = False,
+                strict: bool = False) -> nn.Module:
+    """Create the model, load starting weights if any (all of them, if `strict`), and freeze all but the
+    classifier if asked."""
     model = create_model(name, num_classes)
     if weights:
-        load_weights(model, weights, name)
+        load_weights(model, weights, name, strict)
     if freeze_layers:
         freeze_all_but_classifier(model)
     return model

@@ -1,4 +1,5 @@
-"""Draw finished runs side by side from their metrics.jsonl: accuracy, loss and time per epoch, as PNG files.
+"""Draw finished runs side by side from their metrics.jsonl: accuracy, loss and time per epoch, as PNG files,
+and the first run's confusion matrix of its last epoch.
 
     python plot_runs.py runs/single runs/ddp2 --out-dir docs
     python plot_runs.py runs/ddp2 runs/ddp2_syncbn --labels "2 processes" "2 processes, SyncBN" \\
@@ -25,6 +26,8 @@ except ImportError:
 matplotlib.use("Agg")  # files only: no window, no display needed
 from matplotlib import pyplot as plt  # after use(): the backend is chosen first
 from matplotlib.figure import Figure
+
+from multi_train_utils.confusion import confusion_image
 
 
 class RunFolderError(ValueError):
@@ -104,6 +107,15 @@ def plot_epoch_time(runs: Sequence[Run]) -> Figure:
     return fig
 
 
+def save_confusion_matrix(run: Run, path: Path) -> Path:
+    """The last epoch's confusion matrix of `run`, with its class names (per_class lists them in index order)."""
+    last = run.metrics[-1]
+    title = f"{run.label}, epoch {last['epoch']}: rows true class, columns predicted class"
+    confusion_image(last["confusion_matrix"], list(last["per_class"]), title).save(path)
+    print(f"Wrote {path}")
+    return path
+
+
 def save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -130,11 +142,14 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     runs = [read_run(folder, label) for folder, label in zip(args.runs, labels, strict=True)]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [
+    written = [
         save(plot_accuracy(runs), out_dir / f"{args.prefix}accuracy.png"),
         save(plot_loss(runs), out_dir / f"{args.prefix}loss.png"),
         save(plot_epoch_time(runs), out_dir / f"{args.prefix}epoch_time.png"),
     ]
+    if "confusion_matrix" in runs[0].metrics[-1]:  # absent from runs written before it was counted
+        written.append(save_confusion_matrix(runs[0], out_dir / f"{args.prefix}confusion_matrix.png"))
+    return written
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ from multi_train_utils.distributed_utils import (
     leave_process_group_at_exit,
     print_main,
 )
+from multi_train_utils.ema import build_ema
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import build_optimizer, fit
+from multi_train_utils.train_eval_utils import build_optimizer, evaluate_only, fit, optimizer_steps_per_epoch
 
 
 def main(args: argparse.Namespace) -> None:
@@ -42,18 +43,24 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
-    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers)
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
     model = model.to(ctx.device, memory_format=options.memory_format)
     model = wrap_ddp(model, ctx, args.syncBN, args.compile, args.bucket_cap_mb, args.comm_hook)
+    if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
+        evaluate_only(model, val_loader, ctx.device, options, data.class_names)
+        return
     # One step now learns from world_size x accum_steps x --batch-size images, so it may take a
     # proportionally larger step (the linear scaling rule, Goyal et al. 2017).
     lr = args.lr * ctx.world_size * args.accum_steps
     print_main(f"lr {args.lr} x {ctx.world_size} process(es) x {args.accum_steps} accumulated batch(es) = {lr:g}")
-    optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs)
+    steps_per_epoch = optimizer_steps_per_epoch(train_loader, args.accum_steps)  # the lr moves every step
+    optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs, steps_per_epoch)
+    # --model-ema: its decay per step, too, follows the batches of one step.
+    ema = build_ema(model, args.model_ema, args.model_ema_decay, ctx.world_size * args.accum_steps, saved.state)
     start_epoch, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)
     with RunRecorder(args.output_dir, ctx, data.split, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
-            start_epoch, best_acc, options)
+            start_epoch, best_acc, options, ema)
 
 
 if __name__ == "__main__":

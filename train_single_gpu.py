@@ -15,9 +15,10 @@ from multi_train_utils.checkpoint import find_saved_run, resume
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.ema import build_ema
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import build_optimizer, fit
+from multi_train_utils.train_eval_utils import build_optimizer, evaluate_only, fit, optimizer_steps_per_epoch
 
 
 def main(args: argparse.Namespace) -> None:
@@ -29,17 +30,23 @@ def main(args: argparse.Namespace) -> None:
                          saved.split)
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
-    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers)
+    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
     model = model.to(ctx.device, memory_format=options.memory_format)
     if args.compile:
         model = torch.compile(model)
+    if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
+        evaluate_only(model, val_loader, ctx.device, options, data.class_names)
+        return
     # Each optimizer step now learns from accum_steps batches (see the multi-process scripts for why).
+    steps_per_epoch = optimizer_steps_per_epoch(train_loader, args.accum_steps)  # the lr moves every step
     optimizer, scheduler = build_optimizer(model, args.lr * args.accum_steps, args.epochs, args.lrf,
-                                           args.warmup_epochs)
+                                           args.warmup_epochs, steps_per_epoch)
+    # --model-ema: a moving average of the weights, validated and saved beside them.
+    ema = build_ema(model, args.model_ema, args.model_ema_decay, args.accum_steps, saved.state)
     start_epoch, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)
     with RunRecorder(args.output_dir, ctx, data.split, vars(args), start_epoch) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
-            start_epoch, best_acc, options)
+            start_epoch, best_acc, options, ema)
 
 
 if __name__ == "__main__":

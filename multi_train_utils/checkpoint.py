@@ -116,14 +116,17 @@ def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
                     rng_states: list[dict[str, Any]], args: dict[str, Any],
-                    scaler: torch.amp.GradScaler, split: dict[str, list[str]] | None = None) -> dict[str, Any]:
+                    scaler: torch.amp.GradScaler, split: dict[str, list[str]] | None = None,
+                    ema: dict[str, Any] | None = None) -> dict[str, Any]:
     """All it takes to continue after `epoch`: weights, optimizer and schedule, the fp16 loss scale, the
     best accuracy so far, the random states of every rank, the arguments (to check that a resumed run
-    is the same run), and the classes and split it trains on."""
+    is the same run), the classes and split it trains on, and with --model-ema the averaged weights and
+    their best accuracy."""
     return {
         "model": weights, "optimizer": to_cpu(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
         "epoch": epoch, "best_acc": best_acc, "rng": to_cpu(rng_states), "args": args, "split": split,
+        "ema": ema,
     }
 
 

@@ -69,6 +69,25 @@ def fraction(text: str) -> float:
     return positive_float(text, at_most=1.0)
 
 
+def below_one(text: str) -> float:
+    """A finite number from 0 up to, not including, 1 (a label smoothing of 1 would leave no target)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < 1:  # also false for nan
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
+def decay(text: str) -> float:
+    """A finite number above 0 and below 1: 1 would never move the average, 0 would make it the weights."""
+    value = below_one(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 # Far beyond what is useful, short of what exhausts a machine: a value past these is a typo.
 MAX_IMAGE_SIZE = 4096
 MAX_SEED = 2**31 - 1  # NumPy takes seeds up to 2**32 - 1, and each rank adds its rank
@@ -146,7 +165,23 @@ def add_training_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> N
     if launcher != "single":
         add("--syncBN", type=str2bool, nargs="?", const=True, default=False,
             help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only; true/false)")
-    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
+    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N"
+        + (" (or mps: Apple GPUs)" if launcher == "single" else ""))
+    add_trick_flags(parser)
+
+
+def add_trick_flags(parser: argparse.ArgumentParser) -> None:
+    """Opt-in training tricks of torchvision's references and timm; off, the step is the tutorial's."""
+    add = parser.add_argument
+    add("--label-smoothing", type=below_one, default=0.0,
+        help="training target: 1 - s on the true class, s spread evenly over all classes (0: off; 0.1 is usual)")
+    add("--clip-grad-norm", type=partial(positive_float, at_most=1e6), default=None,
+        help="scale the gradients down where their total L2 norm exceeds this (default: no limit)")
+    add("--model-ema", type=str2bool, nargs="?", const=True, default=False,
+        help="also keep, validate and save a moving average of the weights (weights/best_ema.pth; true/false)")
+    add("--model-ema-decay", type=decay, default=0.999,
+        help="the average's decay per batch of one process; each optimizer step decays it as many times as it "
+             "has batches (processes x --accum-steps)")
 
 
 def add_speed_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
@@ -176,6 +211,9 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="keep weights/model-{epoch}.pth of every epoch; false: only best.pth and the checkpoint (true/false)")
     add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
         "is one (an attempt that torchrun restarted does this by itself)")
+    add("--eval-only", type=str2bool, nargs="?", const=True, default=False,
+        help="train nothing: validate --weights (default: --output-dir's weights/best.pth) once on the run's "
+             "validation split, and print the result as one JSON line (true/false)")
 
 
 def add_process_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
@@ -201,6 +239,10 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.eval_only:
+        # The run's own split (found through its checkpoint) and its best weights, unless named.
+        args.resume = args.resume or "auto"
+        args.weights = args.weights or str(Path(args.output_dir) / "weights" / "best.pth")
     problem = flag_combination_problem(args)
     if problem:
         parser.error(problem)
@@ -215,6 +257,9 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
                 "costs more than compiling saves; use one of the two")
     if args.warmup_epochs >= args.epochs:
         return f"--warmup-epochs {args.warmup_epochs}: must be fewer than --epochs {args.epochs}"
+    if args.device == "mps" and hasattr(args, "dist_url"):
+        return ("--device mps: DistributedDataParallel has no backend for Apple GPUs; train on one with "
+                "train_single_gpu.py --device mps")
     if not getattr(args, "dist_url", "env://").startswith(("env://", "tcp://", "file://")):
         return f"--dist-url {args.dist_url}: expected env://, tcp://HOST:PORT or file://PATH"
     return None
@@ -244,6 +289,9 @@ def check_before_start(args: argparse.Namespace) -> None:
 
     try:
         check_model_input(args.model, args.image_size, args.batch_size)
+        if args.eval_only and not Path(args.weights).is_file():
+            raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
+                                 "with --weights, or the run's folder with --output-dir")
         if args.weights:
             check_weights_source(args.model, args.weights)
         if args.data_path and not Path(args.data_path).is_dir():

@@ -11,6 +11,7 @@ import datetime
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class DistContext:
 
 
 def resolve_device(requested: str | None, local_rank: int, distributed: bool) -> torch.device:
-    """`--device`: auto (CUDA when present), cpu, cuda, cuda:N or a bare GPU index."""
+    """`--device`: auto (CUDA when present), cpu, cuda, cuda:N, a bare GPU index, or mps (one process)."""
     if requested in (None, "", "auto"):
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested.isdigit():
@@ -48,11 +49,13 @@ def resolve_device(requested: str | None, local_rank: int, distributed: bool) ->
     try:
         device = torch.device(requested)
     except RuntimeError:
-        raise UserInputError(f"--device {requested!r}: expected auto, cpu, cuda or cuda:N") from None
+        raise UserInputError(f"--device {requested!r}: expected auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cpu":
         return device
+    if device.type == "mps":
+        return apple_gpu()
     if device.type != "cuda":
-        raise UserInputError(f"--device {requested!r}: only cpu and cuda are supported")
+        raise UserInputError(f"--device {requested!r}: only cpu, cuda and mps are supported")
     if not torch.cuda.is_available():
         raise UserInputError(f"--device {requested}: no CUDA GPU is visible (use --device cpu)")
     # With several processes on a node, each one takes the GPU of its local rank; where the scheduler
@@ -62,6 +65,26 @@ def resolve_device(requested: str | None, local_rank: int, distributed: bool) ->
         raise UserInputError(f"--device {requested}: GPU {index} asked for, "
                              f"but only {torch.cuda.device_count()} visible")
     return torch.device("cuda", index)
+
+
+def apple_gpu() -> torch.device:
+    """The GPU of Apple silicon, for one process (the multi-process scripts refuse it: DDP has no backend
+    that runs on it)."""
+    if not torch.backends.mps.is_available():
+        raise UserInputError("--device mps: no Apple GPU is available here (use --device cpu)")
+    return torch.device("mps")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL between GPUs where it exists; gloo on CPUs and on Windows, whose PyTorch has no NCCL (gloo
+    all-reduces CUDA tensors too, through host memory)."""
+    return "nccl" if device.type == "cuda" and sys.platform != "win32" else "gloo"
+
+
+def tcp_store_uses_libuv() -> bool:
+    """Whether the TCPStore the processes meet in may use libuv: not on Windows, where PyTorch is built
+    without it (and releases before 2.5 still asked for it there by default, and failed)."""
+    return sys.platform != "win32"
 
 
 def init_distributed_mode(device: str | None = None, dist_url: str = "env://", timeout_s: float = 900.0,
@@ -76,7 +99,9 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
     if launch.master_addr is not None:
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
-    backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+    if not tcp_store_uses_libuv():
+        os.environ.setdefault("USE_LIBUV", "0")  # read by the store init_process_group makes for env://
+    backend = process_group_backend(ctx.device)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
@@ -139,7 +164,7 @@ def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.St
         return None
     hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and ctx.rank == 0
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ctx.world_size,
-                          is_master=hosts_store, timeout=timeout)
+                          is_master=hosts_store, timeout=timeout, use_libuv=tcp_store_uses_libuv())
     return dist.PrefixStore(f"attempt{attempt}", store)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from utils import batch_grid
 
 from .checkpoint import CHECKPOINT_NAME, model_weights, save_atomic
+from .confusion import confusion_image
 from .distributed_utils import DistContext
 from .errors import UserInputError
 
@@ -125,23 +126,25 @@ class RunRecorder:
         return (epoch + 1) % self.save_every == 0 or epoch == last_epoch
 
     def end_epoch(self, model: nn.Module, metrics: dict[str, Any], improved: bool,
-                  checkpoint: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None) -> None:
+                  checkpoint: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
+                  best_ema: nn.Module | None = None) -> None:
         """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, and save the
-        weights (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`) and the
-        checkpoint that `checkpoint(weights)` builds, each replaced in one step, so that a crash leaves
-        the previous one whole."""
+        weights (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`; the averaged
+        weights `best_ema` as best_ema.pth) and the checkpoint that `checkpoint(weights)` builds, each
+        replaced in one step, so that a crash leaves the previous one whole."""
         if not self.enabled:
             return
         epoch = metrics["epoch"]
+        ema = f"  ema_acc {metrics['ema_val_acc']:.3f}" if "ema_val_acc" in metrics else ""
         print(f"[epoch {epoch}] train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-              f"val_acc {metrics['val_acc']:.3f} ({metrics['val_correct']}/{metrics['val_total']})  "
+              f"val_acc {metrics['val_acc']:.3f} ({metrics['val_correct']}/{metrics['val_total']}){ema}  "
               f"lr {metrics['lr']:.2e}  {metrics['images_per_s']:.1f} img/s  {metrics['epoch_time_s']:.1f} s",
               flush=True)
         self.metrics_file.write(json.dumps(metrics) + "\n")
         self.metrics_file.flush()
-        for name in ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s"):
-            self.tensorboard.add_scalar(name, metrics[name], epoch)
-        self.tensorboard.flush()
+        self.add_to_tensorboard(metrics)
+        if best_ema is not None:
+            save_atomic(model_weights(best_ema), self.weights_dir / "best_ema.pth")
         if not (self.keep_epoch_weights or improved or checkpoint):
             return
         weights = model_weights(model)  # copied off the GPU once, for every file below
@@ -151,6 +154,17 @@ class RunRecorder:
             save_atomic(weights, self.weights_dir / "best.pth")
         if checkpoint:
             save_atomic(checkpoint(weights), self.output_dir / CHECKPOINT_NAME)
+
+    def add_to_tensorboard(self, metrics: dict[str, Any]) -> None:
+        """The epoch's curves, and its confusion matrix as a picture (TensorBoard's Images tab, with a slider
+        over the epochs)."""
+        epoch = metrics["epoch"]
+        for name in ("train_loss", "val_loss", "val_acc", "ema_val_acc", "lr", "images_per_s", "epoch_time_s"):
+            if name in metrics:
+                self.tensorboard.add_scalar(name, metrics[name], epoch)
+        picture = confusion_image(metrics["confusion_matrix"], self.class_names, f"Confusion matrix, epoch {epoch}")
+        self.tensorboard.add_image("confusion_matrix", np.asarray(picture), epoch, dataformats="HWC")
+        self.tensorboard.flush()
 
     def close(self) -> None:
         if self.enabled:

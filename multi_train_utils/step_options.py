@@ -63,6 +63,10 @@ class StepOptions:
     scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
     # False only for the benchmark's no-communication bound: DDP never all-reduces the gradients.
     sync_gradients: bool = True
+    # --label-smoothing: the training target puts this much of its weight evenly on every class.
+    label_smoothing: float = 0.0
+    # --clip-grad-norm: the largest L2 norm of all gradients together that a step may use; None: no limit.
+    clip_grad_norm: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, device: torch.device) -> StepOptions:
@@ -73,7 +77,10 @@ class StepOptions:
             raise UserInputError("--comm-hook fp16 with fp16 autocast: the loss-scaled gradients overflow "
                                  "float16 in the all-reduce; use --comm-hook bf16")
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        return cls(device.type, dtype, args.channels_last, args.accum_steps, scaler)
+        return cls(device.type, dtype, args.channels_last, args.accum_steps, scaler,
+                   # absent from the benchmark's flags, which time the plain step
+                   label_smoothing=getattr(args, "label_smoothing", 0.0),
+                   clip_grad_norm=getattr(args, "clip_grad_norm", None))
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -86,6 +93,23 @@ class StepOptions:
         copy, asynchronously from pinned memory), or JPEGs with --decode-on gpu, become normalised floats."""
         images = to_model_input(images, device, self.memory_format)
         return images, labels.to(device, non_blocking=True)
+
+    def loss_function(self) -> nn.Module:
+        return nn.CrossEntropyLoss(label_smoothing=self.label_smoothing)
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Step with the gradients accumulated so far, then clear them.
+
+        With --clip-grad-norm, the gradients are first scaled down to that norm if they exceed it. Under
+        DDP this runs after backward() has averaged them, so every rank clips the same averaged gradients
+        by the same factor; under fp16 they are unscaled first, so the limit applies to the true gradients.
+        """
+        if self.clip_grad_norm is not None:
+            self.scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
+        self.scaler.step(optimizer)  # with fp16, skipped if the gradients overflowed
+        self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)

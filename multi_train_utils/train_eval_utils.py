@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,8 +17,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .checkpoint import gather_rng_states, make_checkpoint
+from .confusion import count_confusion, per_class
 from .ddp import broadcast_buffers_from_main, unwrap_model
 from .distributed_utils import get_world_size, is_main_process, print_main, reduce_value
+from .ema import ModelEma
 from .errors import UserInputError
 from .recorder import RunRecorder
 from .step_options import StepOptions
@@ -33,23 +37,34 @@ class EvalResult:
     correct: int
     total: int
     loss: float  # mean cross-entropy per image
+    # rows: true class, columns: predicted class, in class-index order; sums to `total`
+    confusion: list[list[int]] = field(default_factory=list)
 
     @property
     def accuracy(self) -> float:
         return self.correct / self.total if self.total else 0.0
 
+    def figures(self, class_names: list[str]) -> dict[str, Any]:
+        """The result as metrics.jsonl and --eval-only write it."""
+        return {"val_correct": self.correct, "val_total": self.total, "val_acc": self.accuracy,
+                "val_loss": self.loss, "confusion_matrix": self.confusion,
+                "per_class": per_class(self.confusion, class_names)}
+
 
 def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
                     device: torch.device, epoch: int, options: StepOptions | None = None,
-                    on_first_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> float:
+                    on_first_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    ema: ModelEma | None = None) -> float:
     """Train on this process's share of one epoch; return the mean loss over all processes' images.
 
     With options.accum_steps K, the gradients of K batches are added up before each optimizer step: K
-    batches of b images take the same step as one batch of K*b (BatchNorm statistics aside).
+    batches of b images take the same step as one batch of K*b (BatchNorm statistics aside). After each
+    optimizer step, `scheduler` (a per-step schedule) and the weights' moving average `ema` move on.
     """
     options = options or StepOptions(device.type)
     model.train()
-    loss_function = nn.CrossEntropyLoss()
+    loss_function = options.loss_function()
     # Summed on the device and read only every LOG_EVERY steps: reading them every step would make the
     # CPU wait for the GPU every step.
     loss_sum = torch.zeros((), device=device)
@@ -73,9 +88,11 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             # Each process's loss is its own; DDP averages the gradients across processes inside backward().
             options.scaler.scale(loss / group_size).backward()
         if last_micro_step:
-            options.scaler.step(optimizer)  # with fp16, skipped if the gradients overflowed
-            options.scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            options.optimizer_step(model, optimizer)
+            if scheduler is not None:
+                scheduler.step()
+            if ema is not None:
+                ema.update(model)
         loss_sum += loss.detach().float() * labels.size(0)
         non_finite += ~torch.isfinite(loss.detach())
         images_seen += labels.size(0)
@@ -103,86 +120,143 @@ def stop_if_diverged(non_finite: torch.Tensor, epoch: int, step: int) -> None:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data_loader: DataLoader, device: torch.device,
-             options: StepOptions | None = None) -> EvalResult:
-    """Correct count, image count and mean loss over the whole validation set, summed over processes.
+             options: StepOptions | None = None, num_classes: int | None = None) -> EvalResult:
+    """Correct count, image count, mean loss and confusion matrix over the whole validation set, summed
+    over processes.
 
     Each process evaluates its own unpadded share with the plain model (not DDP, so ranks with one batch
-    more or less never wait for each other); one all-reduce then adds the three sums.
+    more or less never wait for each other); one all-reduce then adds all the sums. Without
+    `num_classes` no matrix is counted: every rank must all-reduce sums of one size, and a rank without a
+    batch could not learn the width of the model's output.
     """
     options = options or StepOptions(device.type)
     broadcast_buffers_from_main(model)  # every rank evaluates the model that rank 0 saves
     model = unwrap_model(model)  # uncompiled too: evaluating does not pay for a second compilation
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # correct, total, summed loss
-    for images, labels in tqdm(data_loader, desc="validate", file=sys.stdout, disable=not is_main_process(),
-                               leave=False, dynamic_ncols=True):
+    # correct, total, summed loss, then the confusion matrix row by row: float64 counts exactly to 2**53
+    num_classes = num_classes or 0
+    sums = torch.zeros(3 + num_classes**2, dtype=torch.float64, device=device)
+    # A bar that erases itself when done: on a terminal only, where erasing works; in a log file or a pipe
+    # it would leave its frames in front of the next line (the JSON line of --eval-only).
+    for images, labels in tqdm(data_loader, desc="validate", file=sys.stdout, leave=False, dynamic_ncols=True,
+                               disable=not (is_main_process() and sys.stdout.isatty())):
         images, labels = options.to_device(images, labels, device)
         with options.autocast():
             logits = model(images)
-        sums[0] += (logits.argmax(dim=1) == labels).sum()
+        predictions = logits.argmax(dim=1)
+        sums[0] += (predictions == labels).sum()
         sums[1] += labels.numel()
         sums[2] += nn.functional.cross_entropy(logits.float(), labels, reduction="sum")
-    correct, total, loss_sum = reduce_value(sums, average=False).tolist()
-    return EvalResult(int(correct), int(total), loss_sum / total if total else float("nan"))
+        if num_classes:
+            sums[3:] += count_confusion(labels, predictions, num_classes).flatten()
+    totals = reduce_value(sums, average=False).cpu()
+    correct, total, loss_sum = totals[:3].tolist()
+    confusion = totals[3:].long().view(num_classes, num_classes).tolist()
+    return EvalResult(int(correct), int(total), loss_sum / total if total else float("nan"), confusion)
 
 
-def cosine_with_warmup(epochs: int, lrf: float, warmup_epochs: int = 0) -> Callable[[int], float]:
-    """Factor of the base lr in each epoch: a linear warm-up, then a cosine from 1 down to `lrf`."""
+def evaluate_only(model: nn.Module, val_loader: DataLoader, device: torch.device, options: StepOptions,
+                  class_names: list[str]) -> EvalResult:
+    """--eval-only: validate the loaded weights once and print the figures as the last line of standard
+    output, one JSON object (rank 0 alone): the numbers of the epoch that saved the weights."""
+    result = evaluate(model, val_loader, device, options, len(class_names))
+    if is_main_process():
+        print(json.dumps(result.figures(class_names)), flush=True)
+    return result
 
-    def factor(epoch: int) -> float:
-        if epoch < warmup_epochs:
-            return (epoch + 1) / (warmup_epochs + 1)
-        progress = (epoch - warmup_epochs) / max(1, epochs - warmup_epochs)
+
+def cosine_with_warmup(epochs: int, lrf: float, warmup_epochs: int = 0, steps_per_epoch: int = 1,
+                       ) -> Callable[[int], float]:
+    """Factor of the base lr at each optimizer step: a linear warm-up over `warmup_epochs`, then a cosine
+    from 1 down to `lrf` at the end of the last epoch. Per step, not per epoch: a one-epoch warm-up then
+    rises in as many small steps as the epoch has, instead of starting the epoch at half the lr and
+    jumping to the whole of it."""
+    warmup_steps = warmup_epochs * steps_per_epoch
+    total_steps = epochs * steps_per_epoch
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return ((1 + math.cos(progress * math.pi)) / 2) * (1 - lrf) + lrf
 
     return factor
 
 
+def optimizer_steps_per_epoch(train_loader: DataLoader, accum_steps: int = 1) -> int:
+    return math.ceil(len(train_loader) / accum_steps)
+
+
 def build_optimizer(model: nn.Module, lr: float, epochs: int, lrf: float = 0.1, warmup_epochs: int = 0,
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """The tutorial's SGD (momentum 0.9, weight decay 5e-3) over the trainable parameters, with a
-    per-epoch cosine schedule (Bag of Tricks, arXiv:1812.01187)."""
+                    steps_per_epoch: int = 1) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The tutorial's SGD (momentum 0.9, weight decay 5e-3) over the trainable parameters, with a cosine
+    schedule (Bag of Tricks, arXiv:1812.01187) stepped after every optimizer step."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     # fused on CUDA: one kernel for all parameters, and GradScaler then checks for overflow on the GPU
     # instead of waiting for it on the host every step.
     optimizer = torch.optim.SGD(trainable, lr=lr, momentum=0.9, weight_decay=5e-3, fused=trainable[0].is_cuda)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(epochs, lrf, warmup_epochs))
-    return optimizer, scheduler
+    schedule = cosine_with_warmup(epochs, lrf, warmup_epochs, steps_per_epoch)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+def align_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put a per-step schedule at optimizer step `step`. A run resumed with other processes or batches
+    takes another number of steps per epoch than the run that saved the schedule's step count."""
+    if scheduler.last_epoch == step:
+        return
+    scheduler.last_epoch = step
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                   strict=True):
+        group["lr"] = base * factor(step)
+
+
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
         train_loader: DataLoader, val_loader: DataLoader, recorder: RunRecorder, epochs: int,
         device: torch.device, start_epoch: int = 0, best_acc: float = 0.0, options: StepOptions | None = None,
-        ) -> EvalResult:
+        ema: ModelEma | None = None) -> EvalResult:
     """Train and validate epochs start_epoch..epochs-1, handing each epoch's figures and checkpoint to
-    `recorder`; returns the last validation result."""
+    `recorder`; returns the last validation result. With `ema`, the averaged weights are validated and
+    saved too."""
     options = options or StepOptions(device.type)
+    num_classes = len(recorder.class_names)
+    align_schedule(scheduler, start_epoch * optimizer_steps_per_epoch(train_loader, options.accum_steps))
     result = EvalResult(0, 0, float("nan"))
     if start_epoch >= epochs:
         print_main(f"Nothing to train: the run has finished all {epochs} epochs (a larger --epochs trains on)")
     for epoch in range(start_epoch, epochs):
         # A new shuffle every epoch; without set_epoch every epoch repeats the first epoch's order.
         train_loader.sampler.set_epoch(epoch)
-        lr = optimizer.param_groups[0]["lr"]  # read before scheduler.step(): the lr this epoch trains with
+        lr = optimizer.param_groups[0]["lr"]  # the lr of the epoch's first step; the schedule moves every step
         started = time.perf_counter()
         # The first batch as TensorBoard shows it: what the model really sees after augmentation.
         show_batch = recorder.add_batch_grid if epoch == 0 else None
-        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options, show_batch)
+        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options, show_batch,
+                                     scheduler, ema)
         train_time = time.perf_counter() - started
-        result = evaluate(model, val_loader, device, options)
-        scheduler.step()
+        result = evaluate(model, val_loader, device, options, num_classes)
         improved = result.accuracy >= best_acc
         best_acc = max(best_acc, result.accuracy)
         images = len(train_loader) * train_loader.batch_size * get_world_size()
-        metrics = {"epoch": epoch, "train_loss": train_loss, "val_loss": result.loss, "val_acc": result.accuracy,
-                   "val_correct": result.correct, "val_total": result.total, "lr": lr,
+        metrics = {"epoch": epoch, "train_loss": train_loss, **result.figures(recorder.class_names), "lr": lr,
                    "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
                    "world_size": get_world_size()}
+        ema_improved = ema is not None and validate_ema(ema, val_loader, device, options, num_classes, metrics)
         checkpoint = None
         if recorder.checkpoint_due(epoch, last_epoch=epochs - 1):  # the same answer on every rank
             # gather_rng_states is a collective, so every rank builds the checkpoint; rank 0 writes it.
             checkpoint = partial(make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
                                  best_acc=best_acc, rng_states=gather_rng_states(), args=recorder.args,
-                                 scaler=options.scaler, split=recorder.split)
-        recorder.end_epoch(model, metrics, improved, checkpoint)
+                                 scaler=options.scaler, split=recorder.split, ema=ema.state_dict() if ema else None)
+        recorder.end_epoch(model, metrics, improved, checkpoint, ema.model if ema_improved else None)
     return result
+
+
+def validate_ema(ema: ModelEma, val_loader: DataLoader, device: torch.device, options: StepOptions,
+                 num_classes: int, metrics: dict[str, Any]) -> bool:
+    """Validate the averaged weights, add their figures to `metrics` (ema_val_acc, ...), and return whether
+    they are the best the average has reached."""
+    result = evaluate(ema.model, val_loader, device, options, num_classes)
+    metrics.update({"ema_val_acc": result.accuracy, "ema_val_loss": result.loss, "ema_val_correct": result.correct})
+    improved = result.accuracy >= ema.best_acc
+    ema.best_acc = max(ema.best_acc, result.accuracy)
+    return improved

@@ -122,8 +122,9 @@ def exact_evaluation_worker(rank: int, world_size: int, sizes: list[int], out: s
     try:
         model = wrap_ddp(small_net(batchnorm=True), ctx)
         skew_batchnorm(unwrap_model(model), rank)
-        results = {count: evaluate(model, evaluation_loader(ctx, count), ctx.device) for count in sizes}
-        torch.save({count: (r.correct, r.total, r.loss) for count, r in results.items()},
+        results = {count: evaluate(model, evaluation_loader(ctx, count), ctx.device, num_classes=3)
+                   for count in sizes}
+        torch.save({count: (r.correct, r.total, r.loss, r.confusion) for count, r in results.items()},
                    Path(out) / f"eval_rank{rank}.pth")
     finally:
         cleanup()

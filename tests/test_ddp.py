@@ -117,7 +117,8 @@ def test_a_short_last_group_weighs_each_of_its_batches_by_its_own_size() -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_distributed_evaluation_equals_one_process(tmp_path: Path, rendezvous: None, world_size: int) -> None:
+def test_distributed_evaluation_and_its_confusion_matrix_equal_one_process(tmp_path: Path, rendezvous: None,
+                                                                           world_size: int) -> None:
     sizes = [7, 11]
     mp.spawn(ddp_workers.exact_evaluation_worker, args=(world_size, sizes, str(tmp_path)), nprocs=world_size)
     ctx = single_process("cpu")
@@ -126,11 +127,14 @@ def test_distributed_evaluation_equals_one_process(tmp_path: Path, rendezvous: N
     for rank in range(world_size):
         results = torch.load(tmp_path / f"eval_rank{rank}.pth", weights_only=True)
         for count in sizes:
-            alone = ddp_workers.evaluate(model, ddp_workers.evaluation_loader(ctx, count), ctx.device)
-            correct, total, loss = results[count]
+            alone = ddp_workers.evaluate(model, ddp_workers.evaluation_loader(ctx, count), ctx.device, num_classes=3)
+            correct, total, loss, confusion = results[count]
             assert total == count, "padding or skipping changed the number of images"
             assert (correct, total) == (alone.correct, alone.total)
             assert loss == pytest.approx(alone.loss, rel=1e-6)  # float32 sums in another order
+            # The confusion matrix, summed in the same all-reduce: the same counts as one process's.
+            assert confusion == alone.confusion and sum(map(sum, confusion)) == count
+            assert sum(confusion[i][i] for i in range(3)) == correct
 
 
 def test_validation_shards_cover_every_image_once() -> None:

@@ -61,3 +61,14 @@ def test_labels_name_the_runs(two_runs: list[str]) -> None:
 def test_a_folder_without_metrics_is_named(tmp_path: Path) -> None:
     with pytest.raises(plot_runs.RunFolderError, match=r"no metrics\.jsonl"):
         plot_runs.read_run(tmp_path)
+
+
+def test_the_first_runs_last_confusion_matrix_is_drawn_with_its_class_names(tmp_path: Path) -> None:
+    folder = write_run(tmp_path / "run", 1, [0.5])
+    line = json.loads((folder / "metrics.jsonl").read_text())
+    line.update(confusion_matrix=[[3, 1], [0, 4]], per_class={"cats": {}, "dogs": {}})
+    (folder / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+    written = plot_runs.main([str(folder), "--out-dir", str(tmp_path / "docs")])
+    assert written[-1].name == "confusion_matrix.png"
+    with Image.open(written[-1]) as picture:
+        assert picture.format == "PNG" and picture.width > 2 * 44

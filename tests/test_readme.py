@@ -49,7 +49,10 @@ TINY_OVERRIDES = {
                            "--warmup-steps", "1", "--repeats", "1", "--rounds", "1"],
     "bench/plot_benchmark.py": [],
     "bench/gpu_check.py": [],  # without a GPU: one line, exit 0
+    "predict.py": [],  # on the run an earlier command trained; the demo images replaced, below
 }
+# Demo images named in README commands (predict.py's): the small image folder stands in for them here.
+DEMO_IMAGES = "data/demo_patterns"
 COMMAND_TIMEOUT_S = 150
 
 
@@ -102,6 +105,7 @@ def to_argv(command: str, data: Path) -> tuple[list[str], dict[str, str]]:
     args = [str(REPO / arg) if arg == script else arg for arg in args]
     args = [f"--master_port={free_port()}" if arg.startswith(("--master_port=", "--master-port=")) else arg
             for arg in args]
+    args = [str(data) if arg.startswith(DEMO_IMAGES) else arg for arg in args]
     tiny = [flag.format(data=data) for flag in TINY_OVERRIDES[script]]
     return [*argv, *args, *tiny], env
 

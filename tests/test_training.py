@@ -17,7 +17,7 @@ from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
 
 METRIC_KEYS = {"epoch", "train_loss", "val_loss", "val_acc", "val_correct", "val_total", "lr", "images_per_s",
-               "epoch_time_s", "world_size"}
+               "epoch_time_s", "world_size", "confusion_matrix", "per_class"}
 
 
 def read_metrics(out: Path) -> list[dict]:
