@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 from .ddp import COMM_HOOKS
-from .errors import QuietExit, Terminated, UserInputError, raise_on_sigterm, report
+from .errors import Terminated, UserInputError, exit_quietly, raise_on_sigterm, report
 from .launch import detect_launch, usable_cpus
 from .step_options import AMP_CHOICES
 
@@ -108,7 +108,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         # Under torchrun or srun every process parses the same flags: one of them says what is wrong.
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n" if launched_as_rank_zero() else None)
+        if not launched_as_rank_zero():
+            exit_quietly(2)
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
 
 def launched_as_rank_zero() -> bool:
@@ -301,9 +303,9 @@ def check_before_start(args: argparse.Namespace) -> None:
             raise UserInputError(f"--resume {args.resume}: no such file")
         if Path(args.output_dir).is_file():
             raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
-    except UserInputError as err:
+    except UserInputError:
         if not launched_as_rank_zero():
-            raise QuietExit(2) from err
+            exit_quietly(2)
         raise
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import QuietExit, UserInputError, exit_code, stop_when_launcher_dies
+from .errors import UserInputError, exit_code, exit_quietly, stop_when_launcher_dies
 from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
 
 
@@ -131,7 +131,7 @@ def process_context(launch: Launch, device: str | None) -> DistContext:
                           resolve_device(device, launch.local_rank, distributed), distributed)
     except UserInputError as err:
         if launch.rank != 0:
-            raise QuietExit(exit_code(err)) from err
+            exit_quietly(exit_code(err))
         raise
     if ctx.device.type == "cpu":
         # SLURM gives each task its own CPUs already (--cpus-per-task); the others share the machine's.
@@ -230,7 +230,7 @@ def leave_process_group_at_exit(ctx: DistContext) -> Iterator[None]:
         first = first_to_stop()
         cleanup(failed=True)
         if not first:
-            raise QuietExit(exit_code(reason)) from err
+            exit_quietly(exit_code(reason))
         if reason is not err:
             raise reason from err
         raise

@@ -5,6 +5,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 
 LAUNCHER_POLL_S = 1.0
 KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
@@ -28,6 +29,23 @@ class Terminated(SystemExit):
 class QuietExit(SystemExit):
     """The exit of a process whose job another process has already explained: when one rank stops, the
     others fail too ("connection closed by peer"), and the user needs the first reason once, not N."""
+
+
+QUIET_EXIT_DELAY_S = 2.0
+
+
+def exit_quietly(code: int) -> NoReturn:
+    """End this process without a word, a moment later: a launcher such as torchrun stops every process
+    once one has ended, and the process that explains why must have had time to say so first. A stop
+    from the launcher meanwhile ends it as quietly."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise QuietExit(code)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    time.sleep(QUIET_EXIT_DELAY_S)
+    raise QuietExit(code)
 
 
 def exit_code(err: BaseException) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from torch.utils.data import DataLoader
 
+from multi_train_utils import cli
 from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS, get_args_parser, one_line, parse_args, run_cli
 from my_dataset import MyDataSet, UnreadableImageError, collate_fn
 
@@ -110,6 +112,7 @@ def test_under_a_launcher_only_rank_0_reports_a_bad_flag(monkeypatch: pytest.Mon
     """torchrun starts N processes that each parse the same flags: one line, not N."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "exit_quietly", lambda code: sys.exit(code))
     with pytest.raises(SystemExit) as stop:
         parse_args("launch", ["--epochs", "0"])
     assert stop.value.code == 2 and capsys.readouterr().err == ""

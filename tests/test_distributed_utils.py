@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
+import time
+from typing import NoReturn
 
 import pytest
 import torch
 
 from conftest import requires_cuda
-from multi_train_utils import distributed_utils
+from multi_train_utils import distributed_utils, errors
 from multi_train_utils.ddp import wrap_ddp
 from multi_train_utils.distributed_utils import (
     DistContext,
@@ -232,6 +237,11 @@ def test_only_the_first_process_to_stop_explains(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(distributed_utils, "cleanup", lambda failed=False: None)
+
+    def exit_quietly(code: int) -> NoReturn:
+        raise QuietExit(code)
+
+    monkeypatch.setattr(distributed_utils, "exit_quietly", exit_quietly)
     ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True)
     with pytest.raises(UserInputError), leave_process_group_at_exit(ctx):
         raise UserInputError("cannot read image a.jpg")
@@ -250,3 +260,20 @@ def test_a_store_nobody_answers_means_another_process_stopped_first(monkeypatch:
     monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
     assert distributed_utils.first_to_stop() is False
+
+
+def test_a_quiet_exit_waits_for_the_explaining_process_and_stays_quiet_when_stopped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun stops every process once one ends: the quiet ones wait a moment, so that the one that
+    explains is not stopped before it has said why; torchrun's SIGTERM meanwhile ends them quietly too."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(errors, "QUIET_EXIT_DELAY_S", 5.0)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(QuietExit) as quiet:
+            errors.exit_quietly(2)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert quiet.value.code == 2 and 0.2 < time.monotonic() - started < 4

@@ -39,7 +39,8 @@ def normalised_batch(colours: list[tuple[int, int, int]], side: int = 16) -> tor
 def epoch_metrics(epoch: int) -> dict:
     return {"epoch": epoch, "train_loss": 1.0 / (epoch + 1), "val_loss": 1.5 / (epoch + 1), "val_acc": 0.5 + epoch / 10,
             "val_correct": 5 + epoch, "val_total": 10, "lr": 0.01 / (epoch + 1), "images_per_s": 100.0 + epoch,
-            "epoch_time_s": 3.0, "world_size": 1}
+            "epoch_time_s": 3.0, "world_size": 1,
+            "confusion_matrix": [[3, 1, 0], [0, 2 + epoch, 1 - epoch // 2], [0, 0, 3]]}
 
 
 def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp_path: Path) -> None:
