@@ -78,10 +78,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         if step == 0 and on_first_batch is not None:
             on_first_batch(images, labels)
         images, labels = options.to_device(images, labels, device)
-        # The last group of an epoch may hold fewer than K batches; each batch weighs 1/(its group's size).
-        group_start = step - step % options.accum_steps
-        group_size = min(options.accum_steps, batches - group_start)
-        last_micro_step = step == group_start + group_size - 1
+        group_size, last_micro_step = accumulation_group(step, batches, options.accum_steps)
         with options.no_sync(model, last_micro_step):
             with options.autocast():
                 loss = loss_function(model(images), labels)
@@ -103,6 +100,14 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     stop_if_diverged(non_finite, epoch, step)
     totals = reduce_value(torch.stack([loss_sum, torch.tensor(float(images_seen), device=device)]), average=False)
     return (totals[0] / totals[1]).item()
+
+
+def accumulation_group(step: int, batches: int, accum_steps: int) -> tuple[int, bool]:
+    """The size of the group of batches whose gradients `step` adds to, and whether it is the group's last.
+    The last group of an epoch may hold fewer than accum_steps batches; each batch weighs 1/(its group's size)."""
+    group_start = step - step % accum_steps
+    group_size = min(accum_steps, batches - group_start)
+    return group_size, step == group_start + group_size - 1
 
 
 def stop_if_diverged(non_finite: torch.Tensor, epoch: int, step: int) -> None:
