@@ -43,7 +43,7 @@ def test_jpegs_decode_to_the_same_pixels_as_pillow(tmp_path: Path, mode: str) ->
     path = photo_like(tmp_path / "photo.jpg", mode=mode, progressive=mode == "RGB")
     pixels = decode_rgb(str(path))
     assert pixels.dtype == torch.uint8 and pixels.shape == (3, 375, 500)
-    assert torch.equal(pixels, torch.from_numpy(np.asarray(load_rgb(str(path)))).permute(2, 0, 1))
+    assert torch.equal(pixels, torch.from_numpy(np.array(load_rgb(str(path)))).permute(2, 0, 1))
 
 
 def test_exif_orientation_and_a_png_named_jpg(tmp_path: Path) -> None:
