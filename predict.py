@@ -82,7 +82,7 @@ def load_model(run: TrainedRun, device: torch.device) -> nn.Module:
         model.load_state_dict(read_state_dict(run.weights))
     except RuntimeError as err:
         raise UserInputError(f"--weights {run.weights}: does not fit {run.model} with {len(run.class_names)} "
-                             f"classes ({str(err).splitlines()[1].strip()})") from None
+                             f"classes ({str(err).splitlines()[-1].strip()})") from None
     return model.to(device).eval()
 
 

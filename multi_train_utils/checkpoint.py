@@ -20,6 +20,7 @@ from torch import nn
 
 from .ddp import unwrap_model
 from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main
+from .ema import ModelEma
 from .errors import UserInputError
 from .step_options import StepOptions
 
@@ -117,7 +118,7 @@ def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Opt
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
                     rng_states: list[dict[str, Any]], args: dict[str, Any],
                     scaler: torch.amp.GradScaler, split: dict[str, list[str]] | None = None,
-                    ema: dict[str, Any] | None = None) -> dict[str, Any]:
+                    ema: ModelEma | None = None) -> dict[str, Any]:
     """All it takes to continue after `epoch`: weights, optimizer and schedule, the fp16 loss scale, the
     best accuracy so far, the random states of every rank, the arguments (to check that a resumed run
     is the same run), the classes and split it trains on, and with --model-ema the averaged weights and
@@ -126,7 +127,7 @@ def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Opt
         "model": weights, "optimizer": to_cpu(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
         "epoch": epoch, "best_acc": best_acc, "rng": to_cpu(rng_states), "args": args, "split": split,
-        "ema": ema,
+        "ema": ema.state_dict() if ema else None,
     }
 
 

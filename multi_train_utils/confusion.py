@@ -14,7 +14,10 @@ from PIL import Image, ImageDraw, ImageFont
 def count_confusion(labels: torch.Tensor, predictions: torch.Tensor, num_classes: int) -> torch.Tensor:
     """This batch's confusion matrix (num_classes x num_classes), counted on the labels' device."""
     pairs = labels.long() * num_classes + predictions.long()
-    return torch.bincount(pairs, minlength=num_classes * num_classes).view(num_classes, num_classes)
+    # index_add_, not bincount: on a GPU bincount reads the largest value back to size its output, a wait
+    # for the GPU in every validation batch.
+    counts = torch.zeros(num_classes * num_classes, dtype=torch.long, device=labels.device)
+    return counts.index_add_(0, pairs, torch.ones_like(pairs)).view(num_classes, num_classes)
 
 
 def per_class(confusion: list[list[int]], class_names: list[str]) -> dict[str, dict[str, float]]:

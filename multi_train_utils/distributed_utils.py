@@ -22,6 +22,10 @@ import torch.distributed as dist
 from .errors import UserInputError, exit_code, exit_quietly, stop_when_launcher_dies
 from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
 
+# How long a failing process asks the process group's key-value store before it gives up on it (not the
+# --dist-timeout of the collectives: the store's host may be gone with the rest of the job).
+STORE_TIMEOUT_S = 5.0
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -191,10 +195,14 @@ def stalled_rank_error(err: BaseException, ctx: DistContext, settle_s: float = 2
     if not (isinstance(err, RuntimeError) and is_dist_avail_and_initialized()
             and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
         return None
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"timed_out/{ctx.rank}", "1")
-    time.sleep(settle_s)
-    silent = [rank for rank in range(ctx.world_size) if not store.check([f"timed_out/{rank}"])]
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        store.set(f"timed_out/{ctx.rank}", "1")
+        time.sleep(settle_s)
+        silent = [rank for rank in range(ctx.world_size) if not store.check([f"timed_out/{rank}"])]
+    except Exception:  # the store's host (rank 0) is gone too: nothing to name, the original error stands
+        return None
     return StalledRankError(f"rank {ctx.rank} waited longer than --dist-timeout for the other processes; "
                             f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
                             "answering")
@@ -237,14 +245,14 @@ def leave_process_group_at_exit(ctx: DistContext) -> Iterator[None]:
     cleanup()
 
 
-def first_to_stop(timeout_s: float = 5.0) -> bool:
+def first_to_stop() -> bool:
     """Whether this is the first process of the job to stop, counted in the process group's key-value
     store. A store that no longer answers was kept by a process that has stopped already."""
     if not is_dist_avail_and_initialized():
         return True
     try:
         store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return store.add("processes_stopped", 1) == 1
     except Exception:  # the store's host is gone: it stopped first
         return False

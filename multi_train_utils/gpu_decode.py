@@ -61,10 +61,14 @@ class EncodedImages(MyDataSet):
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int], image_size: int) -> None:
         super().__init__(images_path, images_class)
         self.image_size = image_size
+        # Whether nvjpeg takes each file, read from its header once per worker, not once per epoch.
+        self.decodable: dict[int, bool] = {}
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         path = self.images_path[index]
-        return (read_file(path) if gpu_decodable(path) else decode_rgb(path)), self.images_class[index]
+        if index not in self.decodable:
+            self.decodable[index] = gpu_decodable(path)
+        return (read_file(path) if self.decodable[index] else decode_rgb(path)), self.images_class[index]
 
     @property
     def collate_fn(self) -> functools.partial:

@@ -74,6 +74,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     optimizer.zero_grad(set_to_none=True)
     progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
                     dynamic_ncols=True)
+    step = -1  # an empty loader still reaches the check below
     for step, (images, labels) in enumerate(progress):
         if step == 0 and on_first_batch is not None:
             on_first_batch(images, labels)
@@ -251,7 +252,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
             # gather_rng_states is a collective, so every rank builds the checkpoint; rank 0 writes it.
             checkpoint = partial(make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
                                  best_acc=best_acc, rng_states=gather_rng_states(), args=recorder.args,
-                                 scaler=options.scaler, split=recorder.split, ema=ema.state_dict() if ema else None)
+                                 scaler=options.scaler, split=recorder.split, ema=ema)
         recorder.end_epoch(model, metrics, improved, checkpoint, ema.model if ema_improved else None)
     return result
 

@@ -8,6 +8,8 @@ training device, inside the step, the same on a CPU and on a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torchvision.transforms import v2
 
@@ -41,6 +43,13 @@ def to_model_input(images: torch.Tensor | EncodedBatch, device: torch.device,
     if images.dtype != torch.uint8:
         return images
     # (x / 255 - mean) / std in one subtraction and one multiplication; elementwise ops keep the layout.
-    mean = torch.tensor(IMAGENET_MEAN, device=images.device).view(1, 3, 1, 1) * 255
-    scale = 1 / (torch.tensor(IMAGENET_STD, device=images.device).view(1, 3, 1, 1) * 255)
+    mean, scale = normalisation(images.device)
     return (images.float() - mean) * scale
+
+
+@functools.cache
+def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet's mean and 1/std in 0..255 pixel units, made once per device: built every step, their copy
+    to the GPU would make the CPU wait for it every step."""
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+    return mean, 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)

@@ -277,3 +277,15 @@ def test_a_quiet_exit_waits_for_the_explaining_process_and_stays_quiet_when_stop
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert quiet.value.code == 2 and 0.2 < time.monotonic() - started < 4
+
+
+def test_a_time_out_whose_store_is_gone_too_keeps_the_original_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Naming the silent ranks needs the store; if its host (rank 0) is gone, the error stands as it was,
+    and leaving the group still happens."""
+    def gone() -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
+    ctx = DistContext(1, 1, 2, 2, torch.device("cpu"), distributed=True)
+    assert distributed_utils.stalled_rank_error(RuntimeError("Timed out waiting 5000ms"), ctx, settle_s=0) is None

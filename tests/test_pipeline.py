@@ -237,3 +237,11 @@ def test_on_a_gpu_nvjpeg_gives_the_workers_batch_within_rounding(tmp_path: Path)
     assert levels.mean() < 2.0, f"{levels.mean():.2f} levels off on average"
     images, _ = StepOptions("cuda", channels_last=True).to_device(batch, torch.tensor([0]), torch.device("cuda"))
     assert images.dtype == torch.float32 and images.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_the_normalisation_constants_are_made_once_per_device() -> None:
+    """Made in every step, their copy to a GPU would make the CPU wait for the GPU every step."""
+    from multi_train_utils.transforms import normalisation
+
+    first, again = normalisation(torch.device("cpu")), normalisation(torch.device("cpu"))
+    assert first[0] is again[0] and first[1] is again[1]
