@@ -50,7 +50,7 @@ def test_exif_orientation_and_a_png_named_jpg(tmp_path: Path) -> None:
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
     rotated = photo_like(tmp_path / "rotated.jpg", size=(40, 20), exif=exif)
-    assert torch.equal(decode_rgb(str(rotated)), torch.from_numpy(np.asarray(load_rgb(str(rotated)))).permute(2, 0, 1))
+    assert torch.equal(decode_rgb(str(rotated)), torch.from_numpy(np.array(load_rgb(str(rotated)))).permute(2, 0, 1))
     assert decode_rgb(str(rotated)).shape == (3, 40, 20)
     png = tmp_path / "really_a_png.jpg"
     Image.new("RGBA", (8, 6), (0, 0, 0, 0)).save(png, format="PNG")
