@@ -23,7 +23,7 @@ from torch import nn
 
 from model import create_model, read_state_dict
 from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_file
-from multi_train_utils.cli import at_least
+from multi_train_utils.cli import MAX_IMAGE_SIZE, at_least
 from multi_train_utils.distributed_utils import resolve_device, use_device
 from multi_train_utils.errors import UserInputError, report
 from multi_train_utils.transforms import build_transforms, to_model_input
@@ -50,7 +50,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--weights", default=None, help="weights to use instead of the run's weights/best.pth "
         "(such as weights/best_ema.pth)")
     add("--model", default=None, help="the model's name, if not the run's")
-    add("--image-size", type=at_least(16, 4096), default=None, help="crop size, if not the run's")
+    add("--image-size", type=at_least(16, MAX_IMAGE_SIZE), default=None, help="crop size, if not the run's")
     add("--top-k", type=at_least(1), default=3, help="classes to show per image")
     add("--batch-size", type=at_least(1, 4096), default=32, help="images per forward pass")
     add("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N or mps")

@@ -34,8 +34,11 @@ MAX_GPU_WORKERS = 16
 class DataSets:
     train: MyDataSet
     val: MyDataSet
-    class_names: list[str]
     split: dict[str, list[str]]  # the classes and the split, as a run keeps them (SplitData.to_record)
+
+    @property
+    def class_names(self) -> list[str]:
+        return self.split["class_names"]
 
     @property
     def num_classes(self) -> int:
@@ -70,8 +73,7 @@ def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_
     train = (EncodedImages(split.train_images_path, split.train_images_label, image_size)
              if decode_on == "gpu" and can_decode_on_gpu(split.train_images_path, ctx)
              else MyDataSet(split.train_images_path, split.train_images_label, train_tf))
-    return DataSets(train, MyDataSet(split.val_images_path, split.val_images_label, val_tf), split.class_names,
-                    split.to_record(root))
+    return DataSets(train, MyDataSet(split.val_images_path, split.val_images_label, val_tf), split.to_record(root))
 
 
 def choose_split(root: Path, seed: int, saved_split: dict[str, list[str]] | None) -> SplitData:
