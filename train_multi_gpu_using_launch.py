@@ -40,7 +40,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
     data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on,
                          saved.split)
-    # DistributedSampler inside: each process trains on its own 1/world_size of every epoch.
+    # Each process trains on its own 1/world_size of every epoch (EpochSampler).
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
     model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
@@ -57,10 +57,10 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs, steps_per_epoch)
     # --model-ema: its decay per step, too, follows the batches of one step.
     ema = build_ema(model, args.model_ema, args.model_ema_decay, ctx.world_size * args.accum_steps, saved.state)
-    start_epoch, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start_epoch) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
-            start_epoch, best_acc, options, ema)
+    start, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)  # an epoch, or a step inside one
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start.epoch) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device, start,
+            best_acc, options, ema)
 
 
 if __name__ == "__main__":

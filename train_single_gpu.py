@@ -43,10 +43,10 @@ def main(args: argparse.Namespace) -> None:
                                            args.warmup_epochs, steps_per_epoch)
     # --model-ema: a moving average of the weights, validated and saved beside them.
     ema = build_ema(model, args.model_ema, args.model_ema_decay, args.accum_steps, saved.state)
-    start_epoch, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start_epoch) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device,
-            start_epoch, best_acc, options, ema)
+    start, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)  # an epoch, or a step inside one
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start.epoch) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device, start,
+            best_acc, options, ema)
 
 
 if __name__ == "__main__":

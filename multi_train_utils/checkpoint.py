@@ -9,7 +9,7 @@ import pickle
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,21 +114,42 @@ def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return to_cpu(unwrap_model(model).state_dict())
 
 
+@dataclass
+class EpochProgress:
+    """How far training has got inside an epoch: what a checkpoint written in the middle of an epoch keeps,
+    and where a run resumed from it goes on."""
+
+    epoch: int
+    step: int = 0  # optimizer steps done in the epoch
+    # How many of the epoch's shuffled samples all processes together have trained on: the position that
+    # still means the same with another number of processes.
+    samples_seen: int = 0
+    loss_sum: float = 0.0  # their summed training loss, as of the last checkpoint (for the epoch's train_loss)
+
+
 def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
                     rng_states: list[dict[str, Any]], args: dict[str, Any],
                     scaler: torch.amp.GradScaler, split: dict[str, list[str]] | None = None,
-                    ema: ModelEma | None = None) -> dict[str, Any]:
-    """All it takes to continue after `epoch`: weights, optimizer and schedule, the fp16 loss scale, the
-    best accuracy so far, the random states of every rank, the arguments (to check that a resumed run
-    is the same run), the classes and split it trains on, and with --model-ema the averaged weights and
-    their best accuracy."""
+                    ema: ModelEma | None = None, progress: EpochProgress | None = None) -> dict[str, Any]:
+    """All it takes to continue after `epoch` (the last finished one), or from `progress` inside the next:
+    weights, optimizer and schedule, the fp16 loss scale, the best accuracy so far, the random states of
+    every rank, the arguments (to check that a resumed run is the same run), the classes and split it
+    trains on, and with --model-ema the averaged weights and their best accuracy."""
     return {
         "model": weights, "optimizer": to_cpu(optimizer.state_dict()),
         "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "epoch": epoch, "best_acc": best_acc, "rng": to_cpu(rng_states), "args": args, "split": split,
-        "ema": ema.state_dict() if ema else None,
+        "epoch": epoch, "progress": asdict(progress) if progress else None, "best_acc": best_acc,
+        "rng": to_cpu(rng_states), "args": args, "split": split, "ema": ema.state_dict() if ema else None,
     }
+
+
+def position_name(checkpoint: dict[str, Any]) -> str:
+    """Where a checkpoint stands, as a file name: epoch-3-step-120, or epoch-3-end."""
+    progress = checkpoint.get("progress")
+    if progress:
+        return f"epoch-{progress['epoch']}-step-{progress['step']}"
+    return f"epoch-{checkpoint['epoch']}-end"
 
 
 # How an optimizer runs, not what it computes: they belong to this run (its device, its flags), not to
@@ -253,10 +274,11 @@ def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: 
 
 
 def resume(saved: SavedRun, ctx: DistContext, model: nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler: torch.optim.lr_scheduler.LRScheduler, options: StepOptions) -> tuple[int, float]:
-    """Load the saved run into this one, if there is one; return (first epoch to run, best accuracy so far)."""
+           scheduler: torch.optim.lr_scheduler.LRScheduler, options: StepOptions) -> tuple[EpochProgress, float]:
+    """Load the saved run into this one, if there is one; return (where training goes on, best accuracy so
+    far)."""
     if saved.state is None:
-        return 0, 0.0
+        return EpochProgress(0), 0.0
     path, checkpoint = saved.path, saved.state
     try:
         unwrap_model(model).load_state_dict(checkpoint["model"])
@@ -272,13 +294,15 @@ def resume(saved: SavedRun, ctx: DistContext, model: nn.Module, optimizer: torch
     if len(states) == ctx.world_size:
         set_rng_state(states[ctx.rank])
     else:
-        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the random "
-                   "augmentations differ")
+        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the batches and the "
+                   "random augmentations differ from the saved run's, not the images left to train on")
     # The lr was scaled with the batch of one optimizer step (processes x accumulated batches); follow it.
     saved_batches = len(states) * checkpoint.get("args", {}).get("accum_steps", 1)
     if ctx.world_size * options.accum_steps != saved_batches:
         rescale_lr(optimizer, scheduler, ctx.world_size * options.accum_steps / saved_batches)
         print_main(f"The lr is scaled by {ctx.world_size * options.accum_steps}/{saved_batches} with the batches "
                    "of one optimizer step (processes x --accum-steps)")
-    print_main(f"Resuming from {path} after epoch {checkpoint['epoch']}")
-    return checkpoint["epoch"] + 1, checkpoint["best_acc"]
+    progress = checkpoint.get("progress")
+    start = EpochProgress(**progress) if progress else EpochProgress(checkpoint["epoch"] + 1)
+    print_main(f"Resuming from {path} at epoch {start.epoch}, step {start.step}")
+    return start, checkpoint["best_acc"]

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 from .ddp import COMM_HOOKS
-from .errors import Terminated, UserInputError, exit_quietly, raise_on_sigterm, report
+from .errors import Preempted, Terminated, UserInputError, exit_quietly, report
 from .launch import detect_launch, usable_cpus
+from .preemption import listen_for_stop_signals
 from .step_options import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
@@ -211,6 +212,12 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="write the checkpoint every N epochs (and after the last); a resume goes back to the last one")
     add("--keep-epoch-weights", type=str2bool, nargs="?", const=True, default=True,
         help="keep weights/model-{epoch}.pth of every epoch; false: only best.pth and the checkpoint (true/false)")
+    add("--checkpoint-every-steps", type=at_least(1), default=None,
+        help="also write the checkpoint inside epochs, every N optimizer steps (default: only after epochs)")
+    add("--checkpoint-every-minutes", type=partial(positive_float, at_most=1e6), default=None,
+        help="also write the checkpoint inside epochs, once M minutes have passed since the last one")
+    add("--keep-checkpoints", type=at_least(1, 1000), default=1,
+        help="how many of the newest checkpoints to keep: checkpoint.pth, and the K-1 before it in checkpoints/")
     add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
         "is one (an attempt that torchrun restarted does this by itself)")
     add("--eval-only", type=str2bool, nargs="?", const=True, default=False,
@@ -269,17 +276,22 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
 
 def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
     """Check the flags against the model and the files, then run `main`. A mistake the user can fix ends
-    with one line on stderr and exit code 2, Ctrl-C and SIGTERM with one line and 130 or 143, after the
-    clean-up in every `finally` has run."""
-    raise_on_sigterm()
+    with one line on stderr and exit code 2; Ctrl-C with one line and 130. A stop signal (SIGTERM, SIGUSR1)
+    during training ends with a checkpoint of the step where every rank stopped, one line and 143; before
+    training starts, with one line and 143 at once. Every `finally` clean-up runs first."""
+    listen_for_stop_signals()
     try:
         check_before_start(args)
         main(args)
     except UserInputError as err:
         report(f"error: {one_line(err)}")
         sys.exit(2)
+    except Preempted as stop:
+        if stop.message:  # rank 0's: the other ranks stopped at the same step and have nothing to add
+            report(stop.message)
+        raise
     except (KeyboardInterrupt, Terminated) as stop:
-        name = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+        name = stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"
         report(f"Stopped by {name}; the last checkpoint written is kept.")
         sys.exit(128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT))
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import random
 import signal
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from demo_data import ensure_demo_data
 from my_dataset import MyDataSet, header_problem
@@ -23,6 +22,7 @@ from .distributed_utils import DistContext, barrier, is_dist_avail_and_initializ
 from .errors import UserInputError
 from .gpu_decode import EncodedImages
 from .launch import usable_cpus
+from .preemption import WorkerForkContext, obey_only_the_trainer
 from .transforms import build_transforms
 
 # Enough workers for what one current GPU trains ResNet-34 on at 224 px (3,000-5,000 images/s, at about
@@ -113,6 +113,36 @@ def can_decode_on_gpu(paths: list[str], ctx: DistContext) -> bool:
     return True
 
 
+class EpochSampler(Sampler[int]):
+    """This process's share of each epoch's shuffled order, from any point in it.
+
+    Each epoch is one permutation of the training set, drawn from (seed, epoch) as DistributedSampler
+    draws it. Its samples are dealt round-robin (rank r takes r, r+N, r+2N, ...), so after any number of
+    batches the processes together have taken the permutation's first `samples_seen` samples, and an epoch
+    resumed from that point, by however many processes, deals out exactly the samples that are left.
+    Unlike DistributedSampler, nothing is repeated to even out the shares: the up to N-1 samples that do
+    not divide among the processes wait for the next epoch, as the tail that fills no batch does.
+    """
+
+    def __init__(self, dataset_size: int, num_replicas: int, rank: int, seed: int = 0) -> None:
+        self.dataset_size, self.num_replicas, self.rank, self.seed = dataset_size, num_replicas, rank, seed
+        self.epoch = self.samples_seen = 0
+
+    def set_epoch(self, epoch: int, samples_seen: int = 0) -> None:
+        """A new shuffle every epoch (without it every epoch repeats the first one's order), starting after
+        the first `samples_seen` samples of it."""
+        self.epoch, self.samples_seen = epoch, samples_seen
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        left = torch.randperm(self.dataset_size, generator=generator)[self.samples_seen:].tolist()
+        return iter(left[self.rank:len(self) * self.num_replicas:self.num_replicas])
+
+    def __len__(self) -> int:
+        return max(0, self.dataset_size - self.samples_seen) // self.num_replicas
+
+
 class UnpaddedDistributedSampler(Sampler[int]):
     """Deal indices round-robin (rank r gets r, r+N, r+2N, ...) without padding.
 
@@ -146,20 +176,21 @@ def default_workers(ctx: DistContext) -> int:
 def build_loaders(datasets: DataSets, batch_size: int, ctx: DistContext, workers: int | None = None,
                   seed: int = 0) -> tuple[DataLoader, DataLoader]:
     """Training and validation loaders for this process's share of the data."""
-    per_process = math.ceil(len(datasets.train) / ctx.world_size)
+    per_process = len(datasets.train) // ctx.world_size
     if per_process < batch_size:
         raise UserInputError(f"--batch-size {batch_size}: larger than the {per_process} training images "
                              f"each of the {ctx.world_size} process(es) gets")
-    # DistributedSampler shuffles with (seed, epoch), pads to a multiple of the world size and deals the
-    # indices round-robin, so each process trains on a different share. With one process it is just a
+    # Each process trains on its own share of every epoch's shuffle. With one process it is just a
     # seeded shuffle; using it there too makes the order depend only on seed and epoch.
-    train_sampler = DistributedSampler(datasets.train, num_replicas=ctx.world_size, rank=ctx.rank,
-                                       shuffle=True, seed=seed)
+    train_sampler = EpochSampler(len(datasets.train), ctx.world_size, ctx.rank, seed)
     val_sampler = UnpaddedDistributedSampler(len(datasets.val), ctx.world_size, ctx.rank)
     workers = default_workers(ctx) if workers is None else workers
     common = dict(num_workers=workers, pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
                   collate_fn=datasets.train.collate_fn, multiprocessing_context=loader_start_method(workers),
-                  worker_init_fn=leave_ctrl_c_to_the_trainer)
+                  worker_init_fn=leave_signals_to_the_trainer,
+                  # The loader's own seeds come from here, not from the random numbers the augmentations
+                  # draw: a run resumed inside an epoch then draws the same augmentations as an unbroken one.
+                  generator=torch.Generator().manual_seed(seed + ctx.rank))
     # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
     train_loader = DataLoader(datasets.train, batch_size=batch_size, sampler=train_sampler, drop_last=True,
                               **common)
@@ -168,16 +199,18 @@ def build_loaders(datasets: DataSets, batch_size: int, ctx: DistContext, workers
     return train_loader, val_loader
 
 
-def leave_ctrl_c_to_the_trainer(worker_id: int) -> None:
+def leave_signals_to_the_trainer(worker_id: int) -> None:
     """Ctrl-C reaches every process of the terminal's group, the loader workers too; each would print a
-    KeyboardInterrupt traceback. The training process stops them itself, so they ignore it."""
+    KeyboardInterrupt traceback. A scheduler's SIGTERM reaches them too. The training process stops them
+    itself, so they ignore both."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    obey_only_the_trainer()
 
 
-def loader_start_method(workers: int) -> str | None:
+def loader_start_method(workers: int) -> WorkerForkContext | None:
     """Fork data-loader workers on Linux, even inside processes started by spawn (whose children would
     otherwise be spawned too, each importing torch again: seconds per worker)."""
-    return "fork" if workers > 0 and sys.platform == "linux" else None
+    return WorkerForkContext() if workers > 0 and sys.platform == "linux" else None
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:

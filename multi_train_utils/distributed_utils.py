@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .errors import UserInputError, exit_code, exit_quietly, stop_when_launcher_dies
+from .errors import Preempted, UserInputError, exit_code, exit_quietly, stop_when_launcher_dies
 from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
 
 # How long a failing process asks the process group's key-value store before it gives up on it (not the
@@ -227,12 +227,16 @@ def cleanup(failed: bool = False) -> None:
 def leave_process_group_at_exit(ctx: DistContext) -> Iterator[None]:
     """Run the block, then leave the process group however it ended (see cleanup).
 
-    When the block fails, the first process to stop explains why; the others, which then fail too
+    A stop for preemption (every rank at the same step) leaves as a finished run does. When the block
+    fails, the first process to stop explains why; the others, which then fail too
     ("connection closed by peer") or stop for the same reason, end with the same exit code and no word.
     A collective that timed out is explained as the ranks that stopped answering.
     """
     try:
         yield
+    except Preempted:
+        cleanup()  # every rank stopped at the same step, on purpose: leave as after a finished run
+        raise
     except BaseException as err:
         reason = stalled_rank_error(err, ctx) or err
         first = first_to_stop()

@@ -18,12 +18,28 @@ class UserInputError(ValueError):
     """
 
 
-class Terminated(SystemExit):
-    """SIGTERM, turned into an exception so that `finally` blocks still run: TensorBoard is closed, the
-    process group left, data-loader workers stopped. Exits with 143, as the signal itself would."""
+# 128 + SIGTERM, what a process ended by SIGTERM reports: Kubernetes' ExitCode restart policy retries it
+# (128-255 are retryable), and the README's sbatch script requeues the job on it.
+REQUEUE_EXIT_CODE = 128 + signal.SIGTERM
 
-    def __init__(self) -> None:
-        super().__init__(128 + signal.SIGTERM)
+
+class Terminated(SystemExit):
+    """SIGTERM (or another stop signal) where no training step is coming to stop at, turned into an
+    exception so that `finally` blocks still run: TensorBoard is closed, the process group left, data-loader
+    workers stopped. Exits with 143, as a SIGTERM itself would."""
+
+    def __init__(self, signal_name: str = "SIGTERM") -> None:
+        super().__init__(REQUEUE_EXIT_CODE)
+        self.signal_name = signal_name
+
+
+class Preempted(SystemExit):
+    """A stop asked for by a signal, after the checkpoint of the step where every rank stopped was written.
+    `message` is rank 0's line; the other ranks stop with the same code and without a word."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(REQUEUE_EXIT_CODE)
+        self.message = message
 
 
 class QuietExit(SystemExit):
@@ -56,13 +72,6 @@ def exit_code(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         return 128 + signal.SIGINT
     return 2 if isinstance(err, UserInputError) else 1
-
-
-def raise_on_sigterm() -> None:
-    def handler(signum: int, frame: object) -> None:
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = KILL_AFTER_S) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
+import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +24,7 @@ from torch import nn
 
 from utils import batch_grid
 
-from .checkpoint import CHECKPOINT_NAME, model_weights, save_atomic
+from .checkpoint import CHECKPOINT_NAME, model_weights, position_name, save_atomic
 from .confusion import confusion_image
 from .distributed_utils import DistContext
 from .errors import UserInputError
@@ -40,6 +42,15 @@ def args_table(args: dict[str, Any]) -> str:
     """The run's arguments as a Markdown table, which TensorBoard's Text tab shows as a table."""
     rows = [f"| {name} | {value} |" for name, value in sorted(args.items())]
     return "\n".join(["| argument | value |", "| --- | --- |", *rows])
+
+
+def position_of(path: Path) -> str:
+    """The position of a checkpoint this run did not write (the one it resumed from), read without loading
+    its tensors."""
+    try:
+        return position_name(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # not readable as a checkpoint: still kept, under the time it was written
+        return f"checkpoint-{int(path.stat().st_mtime)}"
 
 
 def claim_folder(folder: Path) -> TextIO:
@@ -64,9 +75,13 @@ def claim_folder(folder: Path) -> TextIO:
     return lock
 
 
+Checkpoint = Callable[[dict[str, torch.Tensor]], dict[str, Any]]  # builds a checkpoint from the model's weights
+
+
 class RunRecorder:
     """Writes class_indices.json, split.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
-    weights/best.pth and the checkpoint that --resume continues from.
+    weights/best.pth and the checkpoint that --resume continues from (with --keep-checkpoints K, the K-1
+    before it in checkpoints/).
 
     On ranks other than 0 every method does nothing, so the training loop never checks the rank.
     """
@@ -77,10 +92,13 @@ class RunRecorder:
         self.args = args
         self.save_every = args.get("save_every", 1)
         self.keep_epoch_weights = args.get("keep_epoch_weights", True)
+        self.keep_checkpoints = args.get("keep_checkpoints", 1)
         self.split = split
         self.class_names = split["class_names"]
         self.output_dir = Path(output_dir)
         self.weights_dir = self.output_dir / "weights"
+        self.checkpoint_path = self.output_dir / CHECKPOINT_NAME
+        self.checkpoint_position: str | None = None  # of the file at checkpoint_path, once this run wrote it
         if not self.enabled:
             return
         try:
@@ -126,8 +144,7 @@ class RunRecorder:
         return (epoch + 1) % self.save_every == 0 or epoch == last_epoch
 
     def end_epoch(self, model: nn.Module, metrics: dict[str, Any], improved: bool,
-                  checkpoint: Callable[[dict[str, torch.Tensor]], dict[str, Any]] | None = None,
-                  best_ema: nn.Module | None = None) -> None:
+                  checkpoint: Checkpoint | None = None, best_ema: nn.Module | None = None) -> None:
         """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, and save the
         weights (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`; the averaged
         weights `best_ema` as best_ema.pth) and the checkpoint that `checkpoint(weights)` builds, each
@@ -153,7 +170,35 @@ class RunRecorder:
         if improved:
             save_atomic(weights, self.weights_dir / "best.pth")
         if checkpoint:
-            save_atomic(checkpoint(weights), self.output_dir / CHECKPOINT_NAME)
+            self.write_checkpoint(weights, checkpoint)
+
+    def write_checkpoint(self, model: nn.Module | dict[str, torch.Tensor], checkpoint: Checkpoint) -> None:
+        """Replace the checkpoint with the one `checkpoint` builds from the model's weights (or `model`, the
+        weights already copied), keeping the one it replaces if --keep-checkpoints asks for it."""
+        if not self.enabled:
+            return
+        state = checkpoint(model if isinstance(model, dict) else model_weights(model))
+        self.keep_previous_checkpoint()
+        save_atomic(state, self.checkpoint_path)
+        self.checkpoint_position = position_name(state)
+
+    def keep_previous_checkpoint(self) -> None:
+        """With --keep-checkpoints K above 1, give the checkpoint about to be replaced a second name in
+        checkpoints/, after its position (a hard link: nothing is copied), and delete what K no longer keeps."""
+        if self.keep_checkpoints < 2 or not self.checkpoint_path.is_file():
+            return
+        kept = self.output_dir / "checkpoints"
+        kept.mkdir(exist_ok=True)
+        name = self.checkpoint_position or position_of(self.checkpoint_path)
+        target = kept / f"{name}.pth"
+        with contextlib.suppress(FileNotFoundError):
+            target.unlink()
+        try:
+            os.link(self.checkpoint_path, target)
+        except OSError:  # a file system without hard links
+            shutil.copy2(self.checkpoint_path, target)
+        for old in sorted(kept.glob("*.pth"), key=lambda path: path.stat().st_mtime)[:-(self.keep_checkpoints - 1)]:
+            old.unlink()
 
     def add_to_tensorboard(self, metrics: dict[str, Any]) -> None:
         """The epoch's curves, and its confusion matrix as a picture (TensorBoard's Images tab, with a slider

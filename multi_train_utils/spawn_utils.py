@@ -16,12 +16,16 @@ import torch.multiprocessing as mp
 
 from .cli import one_line
 from .distributed_utils import find_free_port, port_was_taken, resolve_device
-from .errors import UserInputError, raise_on_sigterm, report
+from .errors import REQUEUE_EXIT_CODE, Preempted, UserInputError, report
 from .launch import cpu_threads_per_process
+from .preemption import STOP_SIGNALS, listen_for_stop_signals
 
 PORT_ATTEMPTS = 3
 CPU_PROCESSES_PER_CORE = 4
 STOP_GRACE_S = 3.0
+# After a stop signal, how long the processes have to reach their next step and write the checkpoint: within
+# the 30 s that SLURM and Kubernetes wait before they kill the job.
+STOP_DEADLINE_S = 25.0
 Worker = Callable[[int, int, argparse.Namespace], None]
 
 
@@ -46,9 +50,13 @@ def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namesp
     """The entry point of every spawned process: a mistake the user can fix ends it with one line; any
     other error is printed here, because once one rank fails the others fail too ("connection closed
     by peer"), and mp.spawn reports whichever failure it noticed first, not necessarily the cause."""
-    raise_on_sigterm()
+    listen_for_stop_signals()
     try:
         worker(rank, world_size, args)
+    except Preempted as stop:
+        if stop.message:
+            report(stop.message)
+        raise
     except UserInputError as err:
         report(f"error (rank {rank}): {one_line(err)}")
         sys.exit(2)
@@ -78,10 +86,7 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
             context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
                                          start_method=start_method)
             try:
-                # join() returns True when all are done, and raises when one fails, after stopping the rest:
-                # SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later.
-                while not context.join(grace_period=STOP_GRACE_S):
-                    pass
+                join_all(context)
                 return
             except mp.ProcessRaisedException as err:
                 if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
@@ -92,13 +97,42 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
             except mp.ProcessExitedException as err:
                 exit_on_lost_process(err, context.processes)
             finally:
-                # Also on Ctrl-C or SIGTERM to this process: no worker outlives the launcher.
+                # Also on Ctrl-C to this process: no worker outlives the launcher.
                 stop_processes(context.processes)
     finally:
         if port_is_ours:
             # The next job this process starts (the benchmark starts many) picks a free port of its own.
             os.environ.pop("MASTER_PORT", None)
             os.environ.pop("MASTER_PORT_CHOSEN_BY", None)
+
+
+def join_all(context: mp.ProcessContext) -> None:
+    """Wait until every process has ended; raise as join() does when one fails.
+
+    A stop signal that reaches this launcher is passed on to every process, which then stop after the same
+    step and write a checkpoint; those that have not ended STOP_DEADLINE_S later are killed.
+    """
+    signalled: list[float] = []
+
+    def forward(signum: int, frame: object) -> None:
+        signalled.append(time.monotonic())
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    try:
+        # join() raises when one process fails, after stopping the rest: SIGTERM once they had STOP_GRACE_S
+        # to notice on their own, SIGKILL STOP_GRACE_S later.
+        while not context.join(timeout=1.0, grace_period=STOP_GRACE_S):
+            if signalled and time.monotonic() - signalled[0] > STOP_DEADLINE_S:
+                report(f"error: the processes did not stop within {STOP_DEADLINE_S:.0f} s of the signal; killed "
+                       "them (the last checkpoint written is kept)")
+                stop_processes(context.processes, grace_s=0.0)
+                sys.exit(REQUEUE_EXIT_CODE)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:

@@ -7,7 +7,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -16,12 +16,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .checkpoint import gather_rng_states, make_checkpoint
+from .checkpoint import EpochProgress, gather_rng_states, make_checkpoint
 from .confusion import count_confusion, per_class
 from .ddp import broadcast_buffers_from_main, unwrap_model
 from .distributed_utils import get_world_size, is_main_process, print_main, reduce_value
 from .ema import ModelEma
-from .errors import UserInputError
+from .errors import Preempted, UserInputError
+from .preemption import StepControl, stop_signal, stopping_at_steps
 from .recorder import RunRecorder
 from .step_options import StepOptions
 
@@ -55,27 +56,31 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                     device: torch.device, epoch: int, options: StepOptions | None = None,
                     on_first_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    ema: ModelEma | None = None) -> float:
+                    ema: ModelEma | None = None, progress: EpochProgress | None = None,
+                    after_step: Callable[[EpochProgress, torch.Tensor, torch.Tensor], None] | None = None) -> float:
     """Train on this process's share of one epoch; return the mean loss over all processes' images.
 
     With options.accum_steps K, the gradients of K batches are added up before each optimizer step: K
     batches of b images take the same step as one batch of K*b (BatchNorm statistics aside). After each
-    optimizer step, `scheduler` (a per-step schedule) and the weights' moving average `ema` move on.
+    optimizer step, `scheduler` (a per-step schedule) and the weights' moving average `ema` move on,
+    `progress` (where a resumed epoch started) counts the step, and `after_step(progress, loss_sum,
+    non_finite)` may write a checkpoint or stop the run.
     """
     options = options or StepOptions(device.type)
+    progress = progress or EpochProgress(epoch)
     model.train()
     loss_function = options.loss_function()
     # Summed on the device and read only every LOG_EVERY steps: reading them every step would make the
-    # CPU wait for the GPU every step.
-    loss_sum = torch.zeros((), device=device)
+    # CPU wait for the GPU every step. A resumed epoch starts from the sums of the part already trained.
+    loss_sum = torch.tensor(progress.loss_sum if is_main_process() else 0.0, device=device)
+    images_seen = progress.samples_seen if is_main_process() else 0
     non_finite = torch.zeros((), device=device)
-    images_seen = 0
     batches = len(data_loader)
     optimizer.zero_grad(set_to_none=True)
-    progress = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
-                    dynamic_ncols=True)
+    bar = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
+               dynamic_ncols=True)
     step = -1  # an empty loader still reaches the check below
-    for step, (images, labels) in enumerate(progress):
+    for step, (images, labels) in enumerate(bar):
         if step == 0 and on_first_batch is not None:
             on_first_batch(images, labels)
         images, labels = options.to_device(images, labels, device)
@@ -85,19 +90,23 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                 loss = loss_function(model(images), labels)
             # Each process's loss is its own; DDP averages the gradients across processes inside backward().
             options.scaler.scale(loss / group_size).backward()
+        loss_sum += loss.detach().float() * labels.size(0)
+        non_finite += ~torch.isfinite(loss.detach())
+        images_seen += labels.size(0)
         if last_micro_step:
             options.optimizer_step(model, optimizer)
             if scheduler is not None:
                 scheduler.step()
             if ema is not None:
                 ema.update(model)
-        loss_sum += loss.detach().float() * labels.size(0)
-        non_finite += ~torch.isfinite(loss.detach())
-        images_seen += labels.size(0)
+            progress.step += 1
+            progress.samples_seen += group_size * labels.size(0) * get_world_size()
+            if after_step is not None:
+                after_step(progress, loss_sum, non_finite)
         if (step + 1) % LOG_EVERY == 0:
             stop_if_diverged(non_finite, epoch, step)
             if is_main_process():
-                progress.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
     stop_if_diverged(non_finite, epoch, step)
     totals = reduce_value(torch.stack([loss_sum, torch.tensor(float(images_seen), device=device)]), average=False)
     return (totals[0] / totals[1]).item()
@@ -205,56 +214,134 @@ def build_optimizer(model: nn.Module, lr: float, epochs: int, lrf: float = 0.1, 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def scheduled_lrs(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> list[float]:
+    """The lr of each parameter group at optimizer step `step` of a per-step schedule."""
+    return [base * factor(step) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+
+
 def align_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
     """Put a per-step schedule at optimizer step `step`. A run resumed with other processes or batches
     takes another number of steps per epoch than the run that saved the schedule's step count."""
     if scheduler.last_epoch == step:
         return
     scheduler.last_epoch = step
-    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
-                                   strict=True):
-        group["lr"] = base * factor(step)
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduled_lrs(scheduler, step), strict=True):
+        group["lr"] = lr
+
+
+@dataclass
+class Checkpointer:
+    """Builds the run's checkpoints, at the end of an epoch and inside one, and stops the run where a stop
+    signal asks for it. Every rank builds them (the random states are gathered from all); rank 0 writes."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    options: StepOptions
+    recorder: RunRecorder
+    control: StepControl
+    ema: ModelEma | None = None
+    best_acc: float = 0.0
+
+    def builder(self, epoch: int, progress: EpochProgress | None = None) -> Callable[[dict], dict[str, Any]]:
+        """What builds the checkpoint from the weights: after `epoch`, or at `progress` in the epoch after it."""
+        return partial(make_checkpoint, optimizer=self.optimizer, scheduler=self.scheduler, epoch=epoch,
+                       best_acc=self.best_acc, rng_states=gather_rng_states(), args=self.recorder.args,
+                       scaler=self.options.scaler, split=self.recorder.split, ema=self.ema, progress=progress)
+
+    def after_step(self, progress: EpochProgress, loss_sum: torch.Tensor, non_finite: torch.Tensor) -> None:
+        """Write a checkpoint inside the epoch when one is due or a stop signal came, then stop if it came."""
+        save, stop = self.control.after_step(progress.epoch, progress.step)
+        if not save:
+            return
+        stop_if_diverged(non_finite, progress.epoch, progress.step)  # a checkpoint never keeps NaN weights
+        progress.loss_sum = reduce_value(loss_sum.detach().clone(), average=False).item()
+        self.write(self.builder(progress.epoch - 1, replace(progress)))
+        if stop:
+            self.stop(f"at epoch {progress.epoch}, step {progress.step}")
+
+    def write(self, builder: Callable[[dict], dict[str, Any]]) -> None:
+        self.recorder.write_checkpoint(self.model, builder)
+        self.control.checkpoint_written()
+
+    def stop(self, where: str) -> None:
+        """End the run after the checkpoint just written, on every rank once rank 0 has written it."""
+        self.control.wait_for_all()
+        signal_name = stop_signal() or "a signal to another process"
+        raise Preempted(f"Stopped by {signal_name} {where}; its checkpoint is {self.recorder.checkpoint_path}; go on "
+                        "with --resume auto" if is_main_process() else "")
 
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
         train_loader: DataLoader, val_loader: DataLoader, recorder: RunRecorder, epochs: int,
-        device: torch.device, start_epoch: int = 0, best_acc: float = 0.0, options: StepOptions | None = None,
-        ema: ModelEma | None = None) -> EvalResult:
-    """Train and validate epochs start_epoch..epochs-1, handing each epoch's figures and checkpoint to
-    `recorder`; returns the last validation result. With `ema`, the averaged weights are validated and
-    saved too."""
+        device: torch.device, start: EpochProgress | None = None, best_acc: float = 0.0,
+        options: StepOptions | None = None, ema: ModelEma | None = None) -> EvalResult:
+    """Train and validate from `start` (an epoch, or a point inside one) to the last epoch, handing each
+    epoch's figures and checkpoint to `recorder`; returns the last validation result. With `ema`, the
+    averaged weights are validated and saved too. Checkpoints inside epochs follow --checkpoint-every-steps
+    and --checkpoint-every-minutes; a stop signal ends the run with one (Preempted)."""
     options = options or StepOptions(device.type)
-    num_classes = len(recorder.class_names)
-    align_schedule(scheduler, start_epoch * optimizer_steps_per_epoch(train_loader, options.accum_steps))
+    start = start or EpochProgress(0)
+    steps_per_epoch = optimizer_steps_per_epoch(train_loader, options.accum_steps)
+    samples_per_step = train_loader.batch_size * get_world_size() * options.accum_steps
+    control = StepControl(recorder.args.get("checkpoint_every_steps"), recorder.args.get("checkpoint_every_minutes"),
+                          steps_per_epoch)
+    saver = Checkpointer(model, optimizer, scheduler, options, recorder, control, ema, best_acc)
     result = EvalResult(0, 0, float("nan"))
-    if start_epoch >= epochs:
+    if start.epoch >= epochs:
         print_main(f"Nothing to train: the run has finished all {epochs} epochs (a larger --epochs trains on)")
-    for epoch in range(start_epoch, epochs):
-        # A new shuffle every epoch; without set_epoch every epoch repeats the first epoch's order.
-        train_loader.sampler.set_epoch(epoch)
-        lr = optimizer.param_groups[0]["lr"]  # the lr of the epoch's first step; the schedule moves every step
-        started = time.perf_counter()
-        # The first batch as TensorBoard shows it: what the model really sees after augmentation.
-        show_batch = recorder.add_batch_grid if epoch == 0 else None
-        train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options, show_batch,
-                                     scheduler, ema)
-        train_time = time.perf_counter() - started
-        result = evaluate(model, val_loader, device, options, num_classes)
-        improved = result.accuracy >= best_acc
-        best_acc = max(best_acc, result.accuracy)
-        images = len(train_loader) * train_loader.batch_size * get_world_size()
-        metrics = {"epoch": epoch, "train_loss": train_loss, **result.figures(recorder.class_names), "lr": lr,
-                   "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
-                   "world_size": get_world_size()}
-        ema_improved = ema is not None and validate_ema(ema, val_loader, device, options, num_classes, metrics)
-        checkpoint = None
-        if recorder.checkpoint_due(epoch, last_epoch=epochs - 1):  # the same answer on every rank
-            # gather_rng_states is a collective, so every rank builds the checkpoint; rank 0 writes it.
-            checkpoint = partial(make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=epoch,
-                                 best_acc=best_acc, rng_states=gather_rng_states(), args=recorder.args,
-                                 scaler=options.scaler, split=recorder.split, ema=ema)
-        recorder.end_epoch(model, metrics, improved, checkpoint, ema.model if ema_improved else None)
+    with stopping_at_steps():
+        for epoch in range(start.epoch, epochs):
+            progress = start if epoch == start.epoch else EpochProgress(epoch)
+            # The position is kept in samples: a run resumed with other processes or batches counts other steps.
+            progress.step = progress.samples_seen // samples_per_step
+            # A new shuffle every epoch, started after the samples a resumed run trained on already.
+            train_loader.sampler.set_epoch(epoch, progress.samples_seen)
+            align_schedule(scheduler, epoch * steps_per_epoch + progress.step)  # the lr moves every step
+            outcome = train_and_validate(saver, train_loader, val_loader, device, progress)
+            result = outcome.result
+            due = recorder.checkpoint_due(epoch, last_epoch=epochs - 1)  # the same answer on every rank
+            stop = control.stop_now()  # a signal that came during validation stops the run here
+            checkpoint = saver.builder(epoch) if due or stop else None
+            recorder.end_epoch(model, outcome.metrics, outcome.improved, checkpoint, outcome.best_ema)
+            if checkpoint is not None:
+                control.checkpoint_written()
+            if stop:
+                saver.stop(f"after epoch {epoch}")
     return result
+
+
+@dataclass(frozen=True)
+class EpochOutcome:
+    result: EvalResult
+    metrics: dict[str, Any]  # the epoch's line of metrics.jsonl
+    improved: bool  # the best validation accuracy so far (ties too): best.pth is due
+    best_ema: nn.Module | None  # the averaged model, if it reached its best accuracy so far
+
+
+def train_and_validate(saver: Checkpointer, train_loader: DataLoader, val_loader: DataLoader, device: torch.device,
+                       progress: EpochProgress) -> EpochOutcome:
+    """Train one epoch (what is left of it after `progress`), validate, and gather the epoch's figures."""
+    model, optimizer, options, recorder, ema = saver.model, saver.optimizer, saver.options, saver.recorder, saver.ema
+    epoch = progress.epoch
+    # The lr of the epoch's first step (also in a resumed epoch); the schedule moves every step.
+    lr = scheduled_lrs(saver.scheduler, epoch * saver.control.steps_per_epoch)[0]
+    started = time.perf_counter()
+    # The first batch as TensorBoard shows it: what the model really sees after augmentation.
+    show_batch = recorder.add_batch_grid if epoch == 0 else None
+    train_loss = train_one_epoch(model, optimizer, train_loader, device, epoch, options, show_batch, saver.scheduler,
+                                 ema, progress, saver.after_step)
+    train_time = time.perf_counter() - started
+    result = evaluate(model, val_loader, device, options, len(recorder.class_names))
+    improved = result.accuracy >= saver.best_acc
+    saver.best_acc = max(saver.best_acc, result.accuracy)
+    images = len(train_loader) * train_loader.batch_size * get_world_size()
+    metrics = {"epoch": epoch, "train_loss": train_loss, **result.figures(recorder.class_names), "lr": lr,
+               "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
+               "world_size": get_world_size()}
+    ema_improved = ema is not None and validate_ema(ema, val_loader, device, options, len(recorder.class_names),
+                                                    metrics)
+    return EpochOutcome(result, metrics, improved, ema.model if ema_improved else None)
 
 
 def validate_ema(ema: ModelEma, val_loader: DataLoader, device: torch.device, options: StepOptions,

@@ -32,6 +32,8 @@ NOT_RUN = [
     (r"--syncBN|--prefix syncbn_", "the SyncBN comparison needs GPUs: PyTorch's SyncBatchNorm refuses CPU modules"),
     (r"--nnodes=", "needs a second machine"),
     (r"^srun ", "needs SLURM"),
+    (r"^(training=|trap |wait |if \[|exit )",
+     "the sbatch script around srun: test_preemption.py runs it with stand-ins for srun and scontrol"),
     (r"^tensorboard ", "starts a web server; test_recorder.py reads the same events with TensorBoard's reader"),
     (r"resnet34-333f7ec4\.pth", "needs the flower_photos data set and ImageNet weights (downloads)"),
 ]

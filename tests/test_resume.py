@@ -132,8 +132,9 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
     four = DistContext(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"),
                        distributed=False)
     saved = checkpoint.find_saved_run("auto", tmp_path, four)
+    best_acc = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["best_acc"]
     assert checkpoint.resume(saved, four, model, optimizer, scheduler, StepOptions()) == (
-        2, pytest.approx(torch.load(tmp_path / "checkpoint.pth", weights_only=True)["best_acc"]))
+        checkpoint.EpochProgress(2), pytest.approx(best_acc))
     saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved["optimizer"]["param_groups"][0]["lr"])
     assert scheduler.base_lrs == [pytest.approx(0.008)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -60,7 +61,10 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.mark.parametrize(("launcher", "stop"), [
-    *((launcher, stop) for launcher in ("single", "torchrun", "spawn") for stop in ("ctrl-c", "sigterm")),
+    *((launcher, "ctrl-c") for launcher in ("single", "torchrun", "spawn")),
+    # The agent passes SIGTERM to the workers' whole process groups, their loader workers too; every rank
+    # stops at one step and saves it (test_preemption.py resumes from such checkpoints on every launcher).
+    ("torchrun", "sigterm"),
     # torchrun's agent killed outright cannot stop its workers: they must notice by themselves.
     ("torchrun", "sigkill")])
 def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: str) -> None:
@@ -109,6 +113,9 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
     assert port_is_free(port) or launcher == "single"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0
     assert not list(out.glob(".*.partial"))
+    if stop == "sigterm":  # the step (or the epoch, if it came during validation) where every rank stopped
+        assert re.search(r"^Stopped by SIGTERM (at epoch \d+, step \d+|after epoch \d+); its checkpoint is ",
+                         output, re.MULTILINE), output[-3000:]
 
 
 class SlowDataset(torch.utils.data.Dataset):
@@ -127,11 +134,12 @@ def test_ctrl_c_in_a_loader_worker_is_left_to_the_training_process(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C reaches the loader workers too; one busy with an item would raise KeyboardInterrupt, which the
     loader re-raises in the training process with the worker's traceback, once per worker."""
-    from multi_train_utils.data import leave_ctrl_c_to_the_trainer
+    from multi_train_utils.data import leave_signals_to_the_trainer, loader_start_method
 
     monkeypatch.setenv("WORKER_PID_FILE", str(tmp_path / "worker"))
     loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=1, num_workers=1,
-                                         worker_init_fn=leave_ctrl_c_to_the_trainer, multiprocessing_context="fork")
+                                         worker_init_fn=leave_signals_to_the_trainer,
+                                         multiprocessing_context=loader_start_method(1))
     batches = iter(loader)
     deadline = time.monotonic() + 10
     while not (tmp_path / "worker").exists():

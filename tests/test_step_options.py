@@ -103,9 +103,9 @@ def test_the_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     checkpoint.save_atomic(saved, tmp_path / checkpoint.CHECKPOINT_NAME)
     options = StepOptions(scaler=torch.amp.GradScaler("cpu"))
     ctx = single_process("cpu")
-    start_epoch, _ = checkpoint.resume(checkpoint.find_saved_run("auto", tmp_path, ctx), ctx, model, optimizer,
-                                       scheduler, options)
-    assert start_epoch == 1 and options.scaler.get_scale() == 256.0
+    start, _ = checkpoint.resume(checkpoint.find_saved_run("auto", tmp_path, ctx), ctx, model, optimizer,
+                                 scheduler, options)
+    assert start.epoch == 1 and options.scaler.get_scale() == 256.0
 
 
 def test_a_run_without_fp16_resumes_with_fp16(tmp_path: Path) -> None:

@@ -1,0 +1,316 @@
+"""Long runs on shared clusters: checkpoints inside an epoch, a scheduler's stop signal, and a resume on
+another number of processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, script_env, torchrun
+from multi_train_utils import preemption
+from multi_train_utils.data import EpochSampler, leave_signals_to_the_trainer, loader_start_method
+from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.recorder import RunRecorder
+
+# 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
+FLAGS = [*TINY_FLAGS, "--epochs", "2", "--batch-size", "3", "--lr", "0.002"]
+SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
+           "spawn": [python(), str(REPO / "train_multi_gpu_using_spawn.py"), "--world-size", "2"]}
+
+
+def torchrun_cmd(processes: int = 2) -> list[str]:
+    return [*torchrun(), f"--nproc_per_node={processes}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            str(REPO / "train_multi_gpu_using_launch.py")]
+
+
+# ---- the data position: a permutation dealt round-robin, resumable from any sample --------------------------
+
+@pytest.mark.parametrize(("size", "before", "after", "batch", "steps_done"), [
+    (23, 2, 3, 2, 3), (30, 2, 1, 3, 2), (30, 3, 2, 3, 1), (31, 1, 4, 2, 5)])
+def test_an_epoch_resumed_on_another_world_size_deals_every_remaining_sample_once(
+        size: int, before: int, after: int, batch: int, steps_done: int) -> None:
+    def shares(world_size: int, samples_seen: int) -> list[list[int]]:
+        samplers = [EpochSampler(size, world_size, rank, seed=7) for rank in range(world_size)]
+        for sampler in samplers:
+            sampler.set_epoch(4, samples_seen)
+        return [list(sampler) for sampler in samplers]
+
+    first = [share[:steps_done * batch] for share in shares(before, 0)]  # what the stopped run trained
+    seen = steps_done * batch * before
+    rest = shares(after, seen)
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(7 + 4)).tolist()
+    assert sorted(i for share in first for i in share) == sorted(order[:seen]), "the first part is a prefix"
+    assert all(len(share) == len(rest[0]) for share in rest), "equal shares keep the processes in step"
+    trained = [i for share in first + rest for i in share]
+    assert len(trained) == len(set(trained)), "no sample twice in one epoch"
+    assert set(trained) == set(order[:seen + len(rest[0]) * after])
+    assert size - len(trained) < after, "only what does not divide among the processes waits for the next epoch"
+
+
+def test_a_fresh_epoch_is_the_shuffle_distributed_sampler_deals() -> None:
+    samples = list(range(24))
+    for rank in range(3):
+        ours = EpochSampler(24, 3, rank, seed=5)
+        theirs = torch.utils.data.DistributedSampler(samples, num_replicas=3, rank=rank, shuffle=True, seed=5)
+        ours.set_epoch(2)
+        theirs.set_epoch(2)
+        assert list(ours) == list(theirs)
+
+
+# ---- when to write a checkpoint inside an epoch, and when to stop ---------------------------------------------
+
+def test_checkpoints_come_every_n_steps_or_m_minutes_and_a_signal_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    by_steps = preemption.StepControl(every_steps=4, every_minutes=None, steps_per_epoch=6)
+    # Steps counted over epochs: step 2 of epoch 1 is step 8 of the run.
+    assert [by_steps.after_step(epoch, step)[0] for epoch in (0, 1) for step in range(1, 7)] == [
+        False, False, False, True, False, False, False, True, False, False, False, True]
+
+    clock = [1000.0]
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    by_time = preemption.StepControl(every_steps=None, every_minutes=0.5, steps_per_epoch=6)
+    clock[0] += 29
+    assert by_time.after_step(0, 1) == (False, False)
+    clock[0] += 2
+    assert by_time.after_step(0, 2) == (True, False)
+    by_time.checkpoint_written()
+    assert by_time.after_step(0, 3) == (False, False)
+
+    monkeypatch.setattr(preemption._StopRequest, "signal_name", "SIGUSR1")
+    assert by_time.after_step(0, 4) == (True, True), "a stop always writes the checkpoint of its step"
+    assert by_time.stop_now()
+
+
+def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once_before_or_at_the_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    previous = {signum: signal.getsignal(signum) for signum in preemption.STOP_SIGNALS}
+    monkeypatch.setattr(preemption._StopRequest, "signal_name", None)
+    monkeypatch.setattr(preemption, "STOP_DEADLINE_S", 0.5)
+    try:
+        preemption.listen_for_stop_signals()
+        with pytest.raises(SystemExit) as stopped, preemption.stopping_at_steps():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)  # the handler has run; nothing is raised: the next step will stop the run
+            assert preemption.stop_signal() == "SIGUSR1"
+            started = time.monotonic()
+            time.sleep(10)  # a rank that never reaches its next step (a hung collective)
+        assert stopped.value.code == 143 and time.monotonic() - started < 2, "stopped at the deadline"
+        monkeypatch.setattr(preemption._StopRequest, "signal_name", None)
+        with pytest.raises(SystemExit) as stopped:  # outside the training loop: at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        assert stopped.value.code == 143
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+# ---- --keep-checkpoints ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_keep_checkpoints_keeps_the_newest_k(tmp_path: Path, keep: int) -> None:
+    split = {"class_names": ["a", "b"], "train": [], "val": []}
+    positions = [(0, 2), (0, 4), (0, None), (1, 2), (1, 4)]  # (epoch, step); None: the end of the epoch
+    with RunRecorder(tmp_path, single_process("cpu"), split, {"keep_checkpoints": keep}) as recorder:
+        for epoch, step in positions:
+            progress = {"epoch": epoch, "step": step} if step else None
+            recorder.write_checkpoint(nn.Linear(1, 1), lambda weights, e=epoch, p=progress: {
+                "model": weights, "epoch": e if p is None else e - 1, "progress": p})
+            time.sleep(0.01)  # distinct modification times, by which the oldest go first
+    newest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    assert newest["progress"] == {"epoch": 1, "step": 4}
+    kept = sorted(path.name for path in (tmp_path / "checkpoints").glob("*")) if keep > 1 else []
+    assert kept == ["epoch-0-end.pth", "epoch-1-step-2.pth"][:keep - 1]
+    assert (tmp_path / "checkpoints").exists() == (keep > 1)
+    if keep > 1:
+        assert torch.load(tmp_path / "checkpoints" / "epoch-1-step-2.pth", weights_only=True)["progress"] == {
+            "epoch": 1, "step": 2}
+
+
+# ---- loader workers: the scheduler's SIGTERM reaches them too ---------------------------------------------------
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(0.02)
+        return index
+
+
+@pytest.mark.skipif(not hasattr(signal, "sigwaitinfo"), reason="Linux only")
+def test_a_loader_worker_ignores_a_sigterm_that_its_training_process_did_not_send() -> None:
+    # As build_loaders makes them: forked with the stop signals blocked, so that every thread of the worker
+    # leaves them to the one that sorts them. (Torch starts a thread in the worker before worker_init_fn.)
+    loader = torch.utils.data.DataLoader(Numbers(), batch_size=2, num_workers=1,
+                                         worker_init_fn=leave_signals_to_the_trainer,
+                                         multiprocessing_context=loader_start_method(1))
+    batches = iter(loader)
+    assert next(batches).tolist() == [0, 1]
+    (worker,) = batches._workers
+    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)  # sent by another process, as slurmstepd does
+    subprocess.run(["kill", "-USR1", str(worker.pid)], check=True)
+    time.sleep(0.5)
+    assert worker.is_alive()
+    assert next(batches).tolist() == [2, 3]
+    # SIGTERM from the training process itself still ends it, as the loader's shut-down and Python's exit
+    # send it (the loader first stops watching for workers that die).
+    torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
+    batches._worker_pids_set = False
+    worker.terminate()
+    worker.join(5)
+    assert not worker.is_alive()
+    batches._shutdown_workers()
+
+
+# ---- a stop signal in the middle of an epoch, on every launcher, and the resume ------------------------------
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("preempt") / "images", {"red": 12, "green": 12, "blue": 12})
+
+
+def signal_env(tmp_path: Path, name: str, to: str, record: Path | None = None) -> dict[str, str]:
+    """Rank 1 (or the only rank) sends `name` when it takes batch 1 of epoch 1, once."""
+    extra = {"SIGNAL_RANK": "0" if to == "itself" else "1", "SIGNAL_EPOCH": "1", "SIGNAL_STEP": "1",
+             "SIGNAL_NAME": name, "SIGNAL_TO": to, "SIGNAL_ONCE_FILE": str(tmp_path / "signalled")}
+    if record:
+        extra["RECORD_SAMPLES"] = str(record)
+    return script_env(PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}", **extra)
+
+
+def weights_differ(a: Path, b: Path) -> float:
+    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return max((first[k].double() - second[k].double()).abs().max().item() for k in first)
+
+
+def stop(cmd: list[str], data: Path, out: Path, env: dict[str, str]) -> dict:
+    """Run until the signal stops it, check how it stopped, and return the checkpoint it left."""
+    stopped = run([*cmd, "--data-path", str(data), "--output-dir", str(out), *FLAGS], env=env)
+    # torchrun itself reports 1 (its SignalException) after passing SIGTERM on; its workers exit 143.
+    assert stopped.returncode == (1 if "torch.distributed.run" in cmd else 143), stopped.stderr[-3000:]
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    progress = saved["progress"]
+    assert progress["epoch"] == 1 and 0 < progress["step"] < 5, progress
+    line = (f"Stopped by SIG{env['SIGNAL_NAME']} at epoch 1, step {progress['step']}; its checkpoint is "
+            f"{out / 'checkpoint.pth'}; go on with --resume auto")
+    assert line in stopped.stderr.splitlines(), stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr or "torch.distributed.run" in cmd, stopped.stderr[-3000:]
+    # Sent while batch 1 was trained (the second step); passed on by a launcher it may arrive a step later.
+    assert 2 <= progress["step"] <= 3
+    return saved
+
+
+def resume(cmd: list[str], data: Path, out: Path, saved: dict, env: dict[str, str] | None = None) -> str:
+    """Continue the stopped run to its end; return its output."""
+    resumed = run([*cmd, "--data-path", str(data), "--output-dir", str(out), *FLAGS, "--resume", "auto"], env=env)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"Resuming from {out / 'checkpoint.pth'} at epoch 1, step {saved['progress']['step']}" in resumed.stdout
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    return resumed.stdout
+
+
+@pytest.fixture(scope="module")
+def unbroken(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The weights of runs that nothing stopped: one process, and two (torchrun and spawn train alike)."""
+    runs = {}
+    for name, cmd in (("single", SCRIPTS["single"]), ("two", SCRIPTS["spawn"])):
+        out = tmp_path_factory.mktemp(f"unbroken_{name}")
+        result = run([*cmd, "--data-path", str(data), "--output-dir", str(out), *FLAGS])
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = out / "weights" / "model-1.pth"
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["single", "torchrun"])
+def test_a_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_weights_of_an_unbroken_run(
+        data: Path, tmp_path: Path, unbroken: dict[str, Path], launcher: str) -> None:
+    # torchrun passes the SIGTERM sent to it on to its workers, as from Kubernetes or SLURM.
+    cmd = torchrun_cmd() if launcher == "torchrun" else SCRIPTS[launcher]
+    out = tmp_path / "run"
+    saved = stop(cmd, data, out, signal_env(tmp_path, "TERM", "itself" if launcher == "single" else "launcher"))
+    assert saved["progress"]["samples_seen"] == saved["progress"]["step"] * 3 * (1 if launcher == "single" else 2)
+    resume(cmd, data, out, saved)
+    assert weights_differ(unbroken["single" if launcher == "single" else "two"], out / "weights" / "model-1.pth") == 0
+
+
+@pytest.mark.slow
+def test_a_usr1_to_spawn_checkpoints_its_step_and_the_run_resumes_exactly_or_on_three_processes(
+        data: Path, tmp_path: Path, unbroken: dict[str, Path]) -> None:
+    """SLURM's --signal=B:USR1@90, passed on by the batch script to the spawn script; then the same checkpoint
+    resumed by the same two processes (bit-exact) and by three (every remaining sample of the epoch once)."""
+    out, record = tmp_path / "run", tmp_path / "samples"
+    record.mkdir()
+    saved = stop(SCRIPTS["spawn"], data, out, signal_env(tmp_path, "USR1", "launcher", record=record))
+    shutil.copytree(out, tmp_path / "copy")
+    resume(SCRIPTS["spawn"], data, out, saved)
+    assert weights_differ(unbroken["two"], out / "weights" / "model-1.pth") == 0
+
+    resumed = resume(torchrun_cmd(processes=3), data, tmp_path / "copy", saved,
+                     env=script_env(PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}",
+                                    RECORD_SAMPLES=str(record)))
+    assert "Resuming with 3 processes instead of 2" in resumed and "The lr is scaled by 3/2" in resumed
+    train = {str(data / path) for path in json.loads((out / "split.json").read_text())["train"]}
+    epoch_one: list[str] = []
+    for log in sorted(record.glob("*")):  # one file per process and run, in the order it took the samples
+        taken = [path for path in log.read_text().splitlines() if path in train]
+        epoch_one += taken[15:] if log.name.startswith("2-") else taken  # the stopped run: epoch 0 first
+    seen = saved["progress"]["samples_seen"]
+    assert len(epoch_one) == len(set(epoch_one)), "a sample trained twice in one epoch"
+    assert len(epoch_one) == seen + (30 - seen) // 3 // 3 * 9, "every remaining sample, but what fills no batch of 3"
+
+
+@pytest.mark.slow
+def test_the_readme_sbatch_script_passes_slurms_warning_on_and_requeues_the_job(data: Path, tmp_path: Path) -> None:
+    """The README's batch script, run by bash with two stand-ins on PATH: `srun` runs its command as one
+    process (with tiny sizes), `scontrol` writes down what it is asked. SLURM's USR1 to the script must end
+    in a checkpoint of a step, exit 143, and a requeue."""
+    readme = (REPO / "README.md").read_text()
+    (script,) = [block for block in re.findall(r"^```bash\n(.*?)^```", readme, re.DOTALL | re.MULTILINE)
+                 if "--signal=B:USR1" in block]
+    out = tmp_path / "run"
+    script = script.replace("/shared/flower_photos", str(data)).replace("/shared/runs/flowers", str(out))
+    (tmp_path / "job.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tiny = " ".join([*FLAGS, "--epochs", "1000"])
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nshift\nexec "{python()}" "$@" {tiny}\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path / "scontrol.log"}"\n')
+    for stand_in in bin_dir.iterdir():
+        stand_in.chmod(0o755)
+    env = script_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242")
+    with open(tmp_path / "log", "w") as log:
+        job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=REPO, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pth").exists():  # an epoch done: now inside the next one
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(0.3)
+        job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@90 sends, to the batch script alone
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = (tmp_path / "log").read_text()
+    assert job.returncode == 143, output[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    stopped = re.search(r"^Stopped by SIGTERM (at epoch (\d+), step (\d+)|after epoch (\d+)); its checkpoint is ",
+                        output, re.MULTILINE)
+    assert stopped, output[-3000:]
+    saved = torch.load(out / "checkpoint.pth", weights_only=True)
+    if stopped.group(2):
+        assert saved["progress"] == {**saved["progress"], "epoch": int(stopped.group(2)), "step": int(stopped.group(3))}
+    else:
+        assert saved["epoch"] == int(stopped.group(4)) and saved["progress"] is None
