@@ -58,13 +58,13 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     ema: ModelEma | None = None, progress: EpochProgress | None = None,
                     after_step: Callable[[EpochProgress, torch.Tensor, torch.Tensor], None] | None = None) -> float:
-    """Train on this process's share of one epoch; return the mean loss over all processes' images.
+    """Train on this process's share of one epoch (what is left of it after `progress`); return the mean loss
+    over all processes' images.
 
     With options.accum_steps K, the gradients of K batches are added up before each optimizer step: K
     batches of b images take the same step as one batch of K*b (BatchNorm statistics aside). After each
-    optimizer step, `scheduler` (a per-step schedule) and the weights' moving average `ema` move on,
-    `progress` (where a resumed epoch started) counts the step, and `after_step(progress, loss_sum,
-    non_finite)` may write a checkpoint or stop the run.
+    optimizer step, the schedule and `ema` move on, `progress` counts the step, and `after_step(progress,
+    loss_sum, non_finite)` may write a checkpoint or stop the run.
     """
     options = options or StepOptions(device.type)
     progress = progress or EpochProgress(epoch)
@@ -94,11 +94,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
         non_finite += ~torch.isfinite(loss.detach())
         images_seen += labels.size(0)
         if last_micro_step:
-            options.optimizer_step(model, optimizer)
-            if scheduler is not None:
-                scheduler.step()
-            if ema is not None:
-                ema.update(model)
+            optimizer_step(model, optimizer, options, scheduler, ema)
             progress.step += 1
             progress.samples_seen += group_size * labels.size(0) * get_world_size()
             if after_step is not None:
@@ -110,6 +106,17 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
     stop_if_diverged(non_finite, epoch, step)
     totals = reduce_value(torch.stack([loss_sum, torch.tensor(float(images_seen), device=device)]), average=False)
     return (totals[0] / totals[1]).item()
+
+
+def optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer, options: StepOptions,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler | None, ema: ModelEma | None) -> None:
+    """Step the optimizer (through the loss scaler and the gradient clipping), then the schedule and the
+    moving average of the weights."""
+    options.optimizer_step(model, optimizer)
+    if scheduler is not None:
+        scheduler.step()
+    if ema is not None:
+        ema.update(model)
 
 
 def accumulation_group(step: int, batches: int, accum_steps: int) -> tuple[int, bool]:
