@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing.context
 import random
 import signal
 import sys
@@ -18,11 +19,11 @@ from demo_data import ensure_demo_data
 from my_dataset import MyDataSet, header_problem
 from utils import SplitData, read_split_data, reuse_split
 
+from . import preemption
 from .distributed_utils import DistContext, barrier, is_dist_avail_and_initialized, print_main
 from .errors import UserInputError
 from .gpu_decode import EncodedImages
 from .launch import usable_cpus
-from .preemption import WorkerForkContext, obey_only_the_trainer
 from .transforms import build_transforms
 
 # Enough workers for what one current GPU trains ResNet-34 on at 224 px (3,000-5,000 images/s, at about
@@ -204,13 +205,13 @@ def leave_signals_to_the_trainer(worker_id: int) -> None:
     KeyboardInterrupt traceback. A scheduler's SIGTERM reaches them too. The training process stops them
     itself, so they ignore both."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    obey_only_the_trainer()
+    preemption.obey_only_the_trainer()
 
 
-def loader_start_method(workers: int) -> WorkerForkContext | None:
+def loader_start_method(workers: int) -> multiprocessing.context.BaseContext | None:
     """Fork data-loader workers on Linux, even inside processes started by spawn (whose children would
     otherwise be spawned too, each importing torch again: seconds per worker)."""
-    return WorkerForkContext() if workers > 0 and sys.platform == "linux" else None
+    return preemption.WorkerForkContext() if workers > 0 and sys.platform == "linux" else None
 
 
 def seed_everything(seed: int, rank: int = 0) -> None:

@@ -262,6 +262,17 @@ def first_to_stop() -> bool:
         return False
 
 
+def another_process_failed() -> bool:
+    """Whether a process of the job has already stopped on an error (first_to_stop counted it), or the
+    store that counts them no longer answers."""
+    if not is_dist_avail_and_initialized():
+        return False
+    try:
+        return dist.distributed_c10d._get_default_store().check(["processes_stopped"])
+    except Exception:  # the store's host is gone
+        return True
+
+
 def is_dist_avail_and_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 

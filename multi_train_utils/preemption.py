@@ -15,6 +15,7 @@ import datetime
 import multiprocessing.context
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed_utils import is_dist_avail_and_initialized, is_main_process
+from .distributed_utils import another_process_failed, is_dist_avail_and_initialized, is_main_process
 from .errors import Terminated
 
 # SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send.
@@ -36,6 +37,7 @@ STOP_DEADLINE_S = 20.0
 class _StopRequest:
     signal_name: str | None = None
     at_steps = False  # whether the training loop is running and will act on the flag
+    training_over = threading.Event()  # set when the training loop ends, by a stop or otherwise
 
 
 def _on_stop_signal(signum: int, frame: object) -> None:
@@ -43,13 +45,15 @@ def _on_stop_signal(signum: int, frame: object) -> None:
         _StopRequest.signal_name = signal.Signals(signum).name
         if _StopRequest.at_steps and hasattr(signal, "pthread_kill"):
             threading.Thread(target=_stop_at_the_deadline, name="stop-deadline", daemon=True).start()
-    if not _StopRequest.at_steps:
-        # Setting up, past the last epoch, or past the deadline: no step will come to stop at.
+    # Setting up, past the last epoch or the deadline: no step will come to stop at. After another process
+    # failed, the launcher is ending the job, and the ranks could not vote on a step anyway.
+    if not _StopRequest.at_steps or another_process_failed():
         raise Terminated(_StopRequest.signal_name)
 
 
 def _stop_at_the_deadline() -> None:
-    time.sleep(STOP_DEADLINE_S)
+    if _StopRequest.training_over.wait(STOP_DEADLINE_S):
+        return
     _StopRequest.at_steps = False
     # The signal again, to the main thread: it interrupts a wait there, and the handler now raises.
     signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
@@ -72,10 +76,12 @@ def stopping_at_steps() -> Iterator[None]:
     # Again, here: NCCL may install a SIGUSR1 handler of its own while it starts its communicators.
     listen_for_stop_signals()
     _StopRequest.at_steps = True
+    _StopRequest.training_over = threading.Event()
     try:
         yield
     finally:
         _StopRequest.at_steps = False
+        _StopRequest.training_over.set()
 
 
 class StepControl:
@@ -132,18 +138,21 @@ def control_group() -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
 
 
-class WorkerForkContext(multiprocessing.context.ForkContext):
-    """Forks data-loader workers with the stop signals blocked: every thread of a worker, also those started
-    before its worker_init_fn runs, then leaves them to the one thread that sorts them (obey_only_the_trainer)."""
+if sys.platform != "win32":  # fork (and so this) exists on POSIX systems only
+    class WorkerForkContext(multiprocessing.context.ForkContext):
+        """Forks data-loader workers with the stop signals blocked: every thread of a worker, also those
+        started before its worker_init_fn runs, then leaves them to the one thread that sorts them
+        (obey_only_the_trainer)."""
 
-    class Process(multiprocessing.context.ForkProcess):
-        def start(self) -> None:
-            # In the training process only for the moment of the fork: a signal meanwhile waits, then arrives.
-            previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            try:
-                super().start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        class Process(multiprocessing.context.ForkProcess):
+            def start(self) -> None:
+                # In the training process only for the moment of the fork: a signal meanwhile waits, then
+                # arrives.
+                previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+                try:
+                    super().start()
+                finally:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def obey_only_the_trainer() -> None:

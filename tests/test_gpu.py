@@ -156,3 +156,26 @@ def test_the_benchmark_on_one_gpu(tmp_path: Path) -> None:
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["single_images_per_s"] > 0 and figures["ddp_images_per_s"] is None
     assert 0 < figures["peak_memory_mb"]["single"] < 100_000, "CUDA memory of the process, in MB"
+
+
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_sigterm_on_nccl_stops_every_rank_at_one_step_and_the_run_resumes_from_it(tmp_path: Path) -> None:
+    """On NCCL the ranks vote in a gloo group of their own (no GPU waits for it): torchrun's SIGTERM must
+    still stop them at one step, with its checkpoint, and the resume must finish the run from there."""
+    data = make_image_folder(tmp_path / "images", {"a": 12, "b": 12, "c": 12})
+    nproc = min(GPUS, 2)
+    cmd = [*torchrun(), "--standalone", f"--nproc_per_node={nproc}", str(REPO / "train_multi_gpu_using_launch.py"),
+           "--data-path", str(data), "--output-dir", str(tmp_path / "out"), *GPU_FLAGS, "--epochs", "2",
+           "--batch-size", "2", "--workers", "1"]
+    env = script_env(SIGNAL_RANK=str(nproc - 1), SIGNAL_EPOCH="1", SIGNAL_STEP="1", SIGNAL_NAME="TERM",
+                     SIGNAL_TO="launcher", SIGNAL_ONCE_FILE=str(tmp_path / "signalled"),
+                     PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
+    stopped = run(cmd, env=env)
+    assert "Stopped by SIGTERM at epoch 1, step" in stopped.stderr, stopped.stderr[-3000:]
+    progress = torch.load(tmp_path / "out" / "checkpoint.pth", weights_only=True)["progress"]
+    assert progress["epoch"] == 1 and progress["step"] >= 2
+    resumed = run([*cmd, "--resume", "auto"], env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at epoch 1, step {progress['step']}" in resumed.stdout
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()] == [
+        0, 1]

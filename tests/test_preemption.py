@@ -6,30 +6,33 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import multi_train_utils.train_eval_utils as engine
+import train_single_gpu
 from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, script_env, torchrun
 from multi_train_utils import preemption
+from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.data import EpochSampler, leave_signals_to_the_trainer, loader_start_method
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.recorder import RunRecorder
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
-FLAGS = [*TINY_FLAGS, "--epochs", "2", "--batch-size", "3", "--lr", "0.002"]
+FLAGS = [*TINY_FLAGS, "--epochs", "1", "--batch-size", "3", "--lr", "0.002"]
 SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
            "spawn": [python(), str(REPO / "train_multi_gpu_using_spawn.py"), "--world-size", "2"]}
 
 
-def torchrun_cmd(processes: int = 2) -> list[str]:
-    return [*torchrun(), f"--nproc_per_node={processes}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+def torchrun_cmd() -> list[str]:
+    return [*torchrun(), "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
             str(REPO / "train_multi_gpu_using_launch.py")]
 
 
@@ -180,8 +183,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def signal_env(tmp_path: Path, name: str, to: str, record: Path | None = None) -> dict[str, str]:
-    """Rank 1 (or the only rank) sends `name` when it takes batch 1 of epoch 1, once."""
-    extra = {"SIGNAL_RANK": "0" if to == "itself" else "1", "SIGNAL_EPOCH": "1", "SIGNAL_STEP": "1",
+    """Rank 1 (or the only rank) sends `name` when it takes batch 1, once."""
+    extra = {"SIGNAL_RANK": "0" if to == "itself" else "1", "SIGNAL_EPOCH": "0", "SIGNAL_STEP": "1",
              "SIGNAL_NAME": name, "SIGNAL_TO": to, "SIGNAL_ONCE_FILE": str(tmp_path / "signalled")}
     if record:
         extra["RECORD_SAMPLES"] = str(record)
@@ -200,8 +203,8 @@ def stop(cmd: list[str], data: Path, out: Path, env: dict[str, str]) -> dict:
     assert stopped.returncode == (1 if "torch.distributed.run" in cmd else 143), stopped.stderr[-3000:]
     saved = torch.load(out / "checkpoint.pth", weights_only=True)
     progress = saved["progress"]
-    assert progress["epoch"] == 1 and 0 < progress["step"] < 5, progress
-    line = (f"Stopped by SIG{env['SIGNAL_NAME']} at epoch 1, step {progress['step']}; its checkpoint is "
+    assert progress["epoch"] == 0 and 0 < progress["step"] < 5, progress
+    line = (f"Stopped by SIG{env['SIGNAL_NAME']} at epoch 0, step {progress['step']}; its checkpoint is "
             f"{out / 'checkpoint.pth'}; go on with --resume auto")
     assert line in stopped.stderr.splitlines(), stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr or "torch.distributed.run" in cmd, stopped.stderr[-3000:]
@@ -214,60 +217,99 @@ def resume(cmd: list[str], data: Path, out: Path, saved: dict, env: dict[str, st
     """Continue the stopped run to its end; return its output."""
     resumed = run([*cmd, "--data-path", str(data), "--output-dir", str(out), *FLAGS, "--resume", "auto"], env=env)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert f"Resuming from {out / 'checkpoint.pth'} at epoch 1, step {saved['progress']['step']}" in resumed.stdout
-    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert f"Resuming from {out / 'checkpoint.pth'} at epoch 0, step {saved['progress']['step']}" in resumed.stdout
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0]
     return resumed.stdout
 
 
+def train_in_this_process(data: Path, out: Path, *extra: str) -> None:
+    """train_single_gpu.py as its command line runs it, without starting a Python: run_cli, its signal
+    handling and all."""
+    run_cli(train_single_gpu.main, parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *FLAGS,
+                                                         *extra]))
+
+
+def test_a_single_process_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_unbroken_weights(
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(preemption._StopRequest, "signal_name", None)
+    previous = {signum: signal.getsignal(signum) for signum in preemption.STOP_SIGNALS}  # run_cli replaces them
+    try:
+        train_in_this_process(data, tmp_path / "unbroken")
+        real_train_one_epoch = engine.train_one_epoch
+
+        def sigterm_at_batch_1(*args: object, **kwargs: object) -> float:
+            loader = args[2]
+
+            class Signalling:  # the loader, sending SIGTERM as it hands out batch 1
+                def __len__(self) -> int:
+                    return len(loader)
+
+                def __iter__(self) -> Iterator[object]:
+                    for index, batch in enumerate(loader):
+                        if index == 1:
+                            os.kill(os.getpid(), signal.SIGTERM)
+                        yield batch
+
+            return real_train_one_epoch(*args[:2], Signalling(), *args[3:], **kwargs)
+
+        monkeypatch.setattr(engine, "train_one_epoch", sigterm_at_batch_1)
+        with pytest.raises(SystemExit) as stopped:
+            train_in_this_process(data, tmp_path / "run")
+        assert stopped.value.code == 143
+        monkeypatch.setattr(engine, "train_one_epoch", real_train_one_epoch)
+        saved = torch.load(tmp_path / "run" / "checkpoint.pth", weights_only=True)
+        assert saved["progress"] == {**saved["progress"], "epoch": 0, "step": 2, "samples_seen": 2 * 3}
+        assert (f"Stopped by SIGTERM at epoch 0, step 2; its checkpoint is {tmp_path / 'run' / 'checkpoint.pth'}; "
+                "go on with --resume auto") in capsys.readouterr().err
+        monkeypatch.setattr(preemption._StopRequest, "signal_name", None)
+        train_in_this_process(data, tmp_path / "run", "--resume", "auto")
+        assert "at epoch 0, step 2" in capsys.readouterr().out
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    assert weights_differ(tmp_path / "unbroken" / "weights" / "model-0.pth",
+                          tmp_path / "run" / "weights" / "model-0.pth") == 0
+
+
 @pytest.fixture(scope="module")
-def unbroken(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The weights of runs that nothing stopped: one process, and two (torchrun and spawn train alike)."""
-    runs = {}
-    for name, cmd in (("single", SCRIPTS["single"]), ("two", SCRIPTS["spawn"])):
-        out = tmp_path_factory.mktemp(f"unbroken_{name}")
-        result = run([*cmd, "--data-path", str(data), "--output-dir", str(out), *FLAGS])
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = out / "weights" / "model-1.pth"
-    return runs
+def unbroken(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weights of a run of two processes that nothing stopped (torchrun and spawn train alike)."""
+    out = tmp_path_factory.mktemp("unbroken")
+    result = run([*SCRIPTS["spawn"], "--data-path", str(data), "--output-dir", str(out), *FLAGS])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out / "weights" / "model-0.pth"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["single", "torchrun"])
-def test_a_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_weights_of_an_unbroken_run(
-        data: Path, tmp_path: Path, unbroken: dict[str, Path], launcher: str) -> None:
-    # torchrun passes the SIGTERM sent to it on to its workers, as from Kubernetes or SLURM.
-    cmd = torchrun_cmd() if launcher == "torchrun" else SCRIPTS[launcher]
+def test_a_torchrun_job_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_unbroken_weights(
+        data: Path, tmp_path: Path, unbroken: Path) -> None:
+    """torchrun passes the SIGTERM it gets (from Kubernetes, SLURM, a person) on to its workers. The run is
+    resumed by the spawn script: the checkpoint belongs to the run, not to its launcher."""
     out = tmp_path / "run"
-    saved = stop(cmd, data, out, signal_env(tmp_path, "TERM", "itself" if launcher == "single" else "launcher"))
-    assert saved["progress"]["samples_seen"] == saved["progress"]["step"] * 3 * (1 if launcher == "single" else 2)
-    resume(cmd, data, out, saved)
-    assert weights_differ(unbroken["single" if launcher == "single" else "two"], out / "weights" / "model-1.pth") == 0
+    saved = stop(torchrun_cmd(), data, out, signal_env(tmp_path, "TERM", "launcher"))
+    assert saved["progress"]["samples_seen"] == saved["progress"]["step"] * 3 * 2
+    resume(SCRIPTS["spawn"], data, out, saved)
+    assert weights_differ(unbroken, out / "weights" / "model-0.pth") == 0
 
 
 @pytest.mark.slow
-def test_a_usr1_to_spawn_checkpoints_its_step_and_the_run_resumes_exactly_or_on_three_processes(
-        data: Path, tmp_path: Path, unbroken: dict[str, Path]) -> None:
-    """SLURM's --signal=B:USR1@90, passed on by the batch script to the spawn script; then the same checkpoint
-    resumed by the same two processes (bit-exact) and by three (every remaining sample of the epoch once)."""
+def test_a_usr1_to_spawn_checkpoints_its_step_and_three_processes_train_every_remaining_sample_once(
+        data: Path, tmp_path: Path) -> None:
+    """SLURM's --signal=B:USR1@90 passed on to the spawn script; the checkpoint of the step where it stopped
+    resumed by three processes, which train every sample left in the epoch once."""
     out, record = tmp_path / "run", tmp_path / "samples"
     record.mkdir()
     saved = stop(SCRIPTS["spawn"], data, out, signal_env(tmp_path, "USR1", "launcher", record=record))
-    shutil.copytree(out, tmp_path / "copy")
-    resume(SCRIPTS["spawn"], data, out, saved)
-    assert weights_differ(unbroken["two"], out / "weights" / "model-1.pth") == 0
-
-    resumed = resume(torchrun_cmd(processes=3), data, tmp_path / "copy", saved,
+    resumed = resume([*SCRIPTS["spawn"][:-1], "3"], data, out, saved,
                      env=script_env(PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}",
                                     RECORD_SAMPLES=str(record)))
     assert "Resuming with 3 processes instead of 2" in resumed and "The lr is scaled by 3/2" in resumed
     train = {str(data / path) for path in json.loads((out / "split.json").read_text())["train"]}
-    epoch_one: list[str] = []
-    for log in sorted(record.glob("*")):  # one file per process and run, in the order it took the samples
-        taken = [path for path in log.read_text().splitlines() if path in train]
-        epoch_one += taken[15:] if log.name.startswith("2-") else taken  # the stopped run: epoch 0 first
+    # One file per process of either run; the validation images they loaded are left out.
+    trained = [path for log in record.glob("*") for path in log.read_text().splitlines() if path in train]
     seen = saved["progress"]["samples_seen"]
-    assert len(epoch_one) == len(set(epoch_one)), "a sample trained twice in one epoch"
-    assert len(epoch_one) == seen + (30 - seen) // 3 // 3 * 9, "every remaining sample, but what fills no batch of 3"
+    assert len(trained) == len(set(trained)), "a sample trained twice in one epoch"
+    assert len(trained) == seen + (30 - seen) // 3 // 3 * 9, "every remaining sample, but what fills no batch of 3"
 
 
 @pytest.mark.slow
