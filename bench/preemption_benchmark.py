@@ -14,6 +14,8 @@ Prints one JSON object:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -59,7 +61,8 @@ def time_checkpoint_write(model_name: str, repeats: int) -> dict[str, object]:
     times, size = [], 0
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(repeats):
-            with RunRecorder(Path(folder) / "run", single_process("cpu"), split, {}) as recorder:
+            with contextlib.redirect_stdout(io.StringIO()), \
+                    RunRecorder(Path(folder) / "run", single_process("cpu"), split, {}) as recorder:
                 started = time.perf_counter()
                 recorder.write_checkpoint(model, partial(
                     make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=0, best_acc=0.0,
