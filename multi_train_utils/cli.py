@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 from .ddp import COMM_HOOKS
-from .errors import Preempted, Terminated, UserInputError, exit_quietly, report
+from .errors import Terminated, UserInputError, exit_quietly, report, stopped_line
 from .launch import detect_launch, usable_cpus
 from .preemption import listen_for_stop_signals
 from .step_options import AMP_CHOICES
@@ -216,6 +216,10 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
         help="also write the checkpoint inside epochs, every N optimizer steps (default: only after epochs)")
     add("--checkpoint-every-minutes", type=partial(positive_float, at_most=1e6), default=None,
         help="also write the checkpoint inside epochs, once M minutes have passed since the last one")
+    add("--stop-grace", type=partial(positive_float, at_most=86400), default=20.0,
+        help="seconds after a SIGTERM that a process may take to reach its next step and save it; one that has "
+             "not by then stops without saving, before the scheduler kills it (SLURM, Kubernetes and torchrun "
+             "kill 30 s after SIGTERM by default)")
     add("--keep-checkpoints", type=at_least(1, 1000), default=1,
         help="how many of the newest checkpoints to keep: checkpoint.pth, and the K-1 before it in checkpoints/")
     add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
@@ -286,13 +290,8 @@ def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace
     except UserInputError as err:
         report(f"error: {one_line(err)}")
         sys.exit(2)
-    except Preempted as stop:
-        if stop.message:  # rank 0's: the other ranks stopped at the same step and have nothing to add
-            report(stop.message)
-        raise
     except (KeyboardInterrupt, Terminated) as stop:
-        name = stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"
-        report(f"Stopped by {name}; the last checkpoint written is kept.")
+        report(stopped_line(stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"))
         sys.exit(128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT))
 
 

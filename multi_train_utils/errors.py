@@ -34,12 +34,11 @@ class Terminated(SystemExit):
 
 
 class Preempted(SystemExit):
-    """A stop asked for by a signal, after the checkpoint of the step where every rank stopped was written.
-    `message` is rank 0's line; the other ranks stop with the same code and without a word."""
+    """A stop asked for by a signal, after the checkpoint of the step where every rank stopped was written
+    (rank 0 has said so): every process exits with the code a requeue expects."""
 
-    def __init__(self, message: str = "") -> None:
+    def __init__(self) -> None:
         super().__init__(REQUEUE_EXIT_CODE)
-        self.message = message
 
 
 class QuietExit(SystemExit):
@@ -92,6 +91,11 @@ def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def stopped_line(cause: str) -> str:
+    """What a run stopped at once (Ctrl-C, or a signal before or outside the training steps) says."""
+    return f"Stopped by {cause}; the last checkpoint written is kept."
 
 
 def report(line: str) -> None:

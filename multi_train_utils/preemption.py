@@ -25,38 +25,31 @@ import torch
 import torch.distributed as dist
 
 from .distributed_utils import another_process_failed, is_dist_avail_and_initialized, is_main_process
-from .errors import Terminated
+from .errors import REQUEUE_EXIT_CODE, Terminated, report
 
 # SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send.
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-# A rank that has not stopped this long after the signal (stuck in a collective or a data loader, or in a
-# long validation) stops at once, keeping the last checkpoint: launchers and schedulers kill after 30 s.
-STOP_DEADLINE_S = 20.0
+# After the deadline, how long a rank that the signal cannot reach (one waiting inside a collective, which
+# does not return to Python) has before it ends without its clean-up.
+FORCED_EXIT_AFTER_S = 5.0
 
 
 class _StopRequest:
     signal_name: str | None = None
     at_steps = False  # whether the training loop is running and will act on the flag
-    training_over = threading.Event()  # set when the training loop ends, by a stop or otherwise
+    lock = threading.Lock()  # orders the end of training and the deadline
+    sigterm = threading.Event()  # SIGTERM came: the scheduler's kill follows within its grace period
+    training_over = threading.Event()
 
 
 def _on_stop_signal(signum: int, frame: object) -> None:
-    if _StopRequest.signal_name is None:
-        _StopRequest.signal_name = signal.Signals(signum).name
-        if _StopRequest.at_steps and hasattr(signal, "pthread_kill"):
-            threading.Thread(target=_stop_at_the_deadline, name="stop-deadline", daemon=True).start()
-    # Setting up, past the last epoch or the deadline: no step will come to stop at. After another process
-    # failed, the launcher is ending the job, and the ranks could not vote on a step anyway.
-    if not _StopRequest.at_steps or another_process_failed():
+    # A handler only sets flags: it interrupts the main thread anywhere, even inside a lock it would need.
+    _StopRequest.signal_name = _StopRequest.signal_name or signal.Signals(signum).name
+    if signum == signal.SIGTERM:
+        _StopRequest.sigterm.set()
+    if not _StopRequest.at_steps:
+        # Setting up, past the last epoch or past the deadline: no step will come to stop at.
         raise Terminated(_StopRequest.signal_name)
-
-
-def _stop_at_the_deadline() -> None:
-    if _StopRequest.training_over.wait(STOP_DEADLINE_S):
-        return
-    _StopRequest.at_steps = False
-    # The signal again, to the main thread: it interrupts a wait there, and the handler now raises.
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
 
 def listen_for_stop_signals() -> None:
@@ -71,17 +64,51 @@ def stop_signal() -> str | None:
 
 
 @contextlib.contextmanager
-def stopping_at_steps() -> Iterator[None]:
-    """While the block runs, a stop signal waits for the next optimizer step instead of ending the process."""
+def stopping_at_steps(grace_s: float = 20.0) -> Iterator[None]:
+    """While the block runs, a stop signal waits for the next optimizer step instead of ending the process;
+    but `grace_s` after a SIGTERM, or at once if another process of the job has failed, a rank that has not
+    stopped yet stops without saving (see stop_at_the_deadline)."""
     # Again, here: NCCL may install a SIGUSR1 handler of its own while it starts its communicators.
     listen_for_stop_signals()
+    # A signal before now has ended the process; one after it is this run's.
+    _StopRequest.signal_name = None
+    _StopRequest.sigterm, _StopRequest.training_over = threading.Event(), threading.Event()
     _StopRequest.at_steps = True
-    _StopRequest.training_over = threading.Event()
+    if hasattr(signal, "pthread_kill"):
+        threading.Thread(target=stop_at_the_deadline, args=(grace_s, _StopRequest.sigterm, _StopRequest.training_over),
+                         daemon=True, name="stop-deadline").start()
     try:
         yield
     finally:
+        with _StopRequest.lock:
+            _StopRequest.at_steps = False
+            _StopRequest.training_over.set()
+
+
+def stop_at_the_deadline(grace_s: float, sigterm: threading.Event, training_over: threading.Event) -> None:
+    """The deadline of a SIGTERM: a rank that has not reached its next step `grace_s` later (a long
+    validation, a slow write, a hung data loader or collective) stops at once, keeping the last checkpoint,
+    before the scheduler kills it. After another process failed, the launcher is ending the job, and the
+    ranks could not vote on a step anyway: no waiting then."""
+    while not sigterm.wait(0.5):
+        if training_over.is_set():
+            return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not another_process_failed():
+        if training_over.wait(0.5):
+            return
+    with _StopRequest.lock:
+        if training_over.is_set():
+            return
         _StopRequest.at_steps = False
-        _StopRequest.training_over.set()
+    # The signal again, to the main thread: it interrupts a wait that returns to Python, and the handler
+    # now raises. A wait inside a collective does not return: end the process, without its clean-up.
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    if not training_over.wait(FORCED_EXIT_AFTER_S):
+        if is_main_process():
+            report(f"Stopped by {_StopRequest.signal_name}: no step came within --stop-grace {grace_s:g} s; the "
+                   "last checkpoint written is kept")
+        os._exit(REQUEUE_EXIT_CODE)
 
 
 class StepControl:
@@ -89,11 +116,12 @@ class StepControl:
     (every --checkpoint-every-steps steps, every --checkpoint-every-minutes minutes by rank 0's clock) and
     whether to stop (a stop signal reached any rank)."""
 
-    def __init__(self, every_steps: int | None, every_minutes: float | None, steps_per_epoch: int) -> None:
+    def __init__(self, every_steps: int | None, every_minutes: float | None, steps_per_epoch: int,
+                 timeout_s: float = 900.0) -> None:
         self.every_steps = every_steps
         self.every_s = every_minutes * 60 if every_minutes else None
         self.steps_per_epoch = steps_per_epoch
-        self.group = control_group()
+        self.group = control_group(timeout_s)
         self.last_checkpoint = time.monotonic()
 
     def after_step(self, epoch: int, step: int) -> tuple[bool, bool]:
@@ -128,14 +156,15 @@ class StepControl:
             dist.barrier(group=self.group)
 
 
-def control_group() -> Any:
+def control_group(timeout_s: float) -> Any:
     """The process group for StepControl's votes: the default group where it is gloo (CPU tensors), else
-    a gloo group beside NCCL's, so that voting never waits for the GPU. None with one process."""
+    a gloo group beside NCCL's, so that voting never waits for the GPU (gloo then needs to reach the other
+    machines too: GLOO_SOCKET_IFNAME names the network interface). None with one process."""
     if not is_dist_avail_and_initialized():
         return None
     if dist.get_backend() == "gloo":
         return None  # the default group
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 if sys.platform != "win32":  # fork (and so this) exists on POSIX systems only

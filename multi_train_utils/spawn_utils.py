@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from .cli import one_line
 from .distributed_utils import find_free_port, port_was_taken, resolve_device
-from .errors import REQUEUE_EXIT_CODE, Preempted, UserInputError, report
+from .errors import REQUEUE_EXIT_CODE, Terminated, UserInputError, report, stopped_line
 from .launch import cpu_threads_per_process
 from .preemption import STOP_SIGNALS, listen_for_stop_signals
 
@@ -53,9 +53,9 @@ def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namesp
     listen_for_stop_signals()
     try:
         worker(rank, world_size, args)
-    except Preempted as stop:
-        if stop.message:
-            report(stop.message)
+    except Terminated as stop:  # a stop signal before training started
+        if rank == 0:
+            report(stopped_line(stop.signal_name))
         raise
     except UserInputError as err:
         report(f"error (rank {rank}): {one_line(err)}")
@@ -113,9 +113,11 @@ def join_all(context: mp.ProcessContext) -> None:
     step and write a checkpoint; those that have not ended STOP_DEADLINE_S later are killed.
     """
     signalled: list[float] = []
+    signalled_by: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
         signalled.append(time.monotonic())
+        signalled_by.append(signum)
         for process in context.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
@@ -130,6 +132,15 @@ def join_all(context: mp.ProcessContext) -> None:
                        "them (the last checkpoint written is kept)")
                 stop_processes(context.processes, grace_s=0.0)
                 sys.exit(REQUEUE_EXIT_CODE)
+    except (mp.ProcessExitedException, mp.ProcessRaisedException):
+        if not signalled:
+            raise
+        # Stopped as asked, whichever way: at a step, or still starting (the signal's own default then ended
+        # them, before they could say a word). The job is to be requeued either way.
+        stop_processes(context.processes)
+        if REQUEUE_EXIT_CODE not in (process.exitcode for process in context.processes):
+            report(stopped_line(signal.Signals(signalled_by[0]).name))
+        sys.exit(REQUEUE_EXIT_CODE)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)

@@ -21,7 +21,7 @@ from .confusion import count_confusion, per_class
 from .ddp import broadcast_buffers_from_main, unwrap_model
 from .distributed_utils import get_world_size, is_main_process, print_main, reduce_value
 from .ema import ModelEma
-from .errors import Preempted, UserInputError
+from .errors import Preempted, UserInputError, report
 from .preemption import StepControl, stop_signal, stopping_at_steps
 from .recorder import RunRecorder
 from .step_options import StepOptions
@@ -273,10 +273,11 @@ class Checkpointer:
 
     def stop(self, where: str) -> None:
         """End the run after the checkpoint just written, on every rank once rank 0 has written it."""
+        if is_main_process():  # now: a launcher stops the others once the first process has exited
+            report(f"Stopped by {stop_signal() or 'a signal to another process'} {where}; its checkpoint is "
+                   f"{self.recorder.checkpoint_path}; go on with --resume auto")
         self.control.wait_for_all()
-        signal_name = stop_signal() or "a signal to another process"
-        raise Preempted(f"Stopped by {signal_name} {where}; its checkpoint is {self.recorder.checkpoint_path}; go on "
-                        "with --resume auto" if is_main_process() else "")
+        raise Preempted
 
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
@@ -291,13 +292,14 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
     start = start or EpochProgress(0)
     steps_per_epoch = optimizer_steps_per_epoch(train_loader, options.accum_steps)
     samples_per_step = train_loader.batch_size * get_world_size() * options.accum_steps
-    control = StepControl(recorder.args.get("checkpoint_every_steps"), recorder.args.get("checkpoint_every_minutes"),
-                          steps_per_epoch)
+    args = recorder.args
+    control = StepControl(args.get("checkpoint_every_steps"), args.get("checkpoint_every_minutes"), steps_per_epoch,
+                          args.get("dist_timeout", 900.0))
     saver = Checkpointer(model, optimizer, scheduler, options, recorder, control, ema, best_acc)
     result = EvalResult(0, 0, float("nan"))
     if start.epoch >= epochs:
         print_main(f"Nothing to train: the run has finished all {epochs} epochs (a larger --epochs trains on)")
-    with stopping_at_steps():
+    with stopping_at_steps(args.get("stop_grace", 20.0)):
         for epoch in range(start.epoch, epochs):
             progress = start if epoch == start.epoch else EpochProgress(epoch)
             # The position is kept in samples: a run resumed with other processes or batches counts other steps.
@@ -308,7 +310,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: torch.opt
             outcome = train_and_validate(saver, train_loader, val_loader, device, progress)
             result = outcome.result
             due = recorder.checkpoint_due(epoch, last_epoch=epochs - 1)  # the same answer on every rank
-            stop = control.stop_now()  # a signal that came during validation stops the run here
+            # A signal that came during validation stops the run here, unless there is nothing left to train.
+            stop = control.stop_now() and epoch < epochs - 1
             checkpoint = saver.builder(epoch) if due or stop else None
             recorder.end_epoch(model, outcome.metrics, outcome.improved, checkpoint, outcome.best_ema)
             if checkpoint is not None:
