@@ -18,14 +18,14 @@ from .cli import one_line
 from .distributed_utils import find_free_port, port_was_taken, resolve_device
 from .errors import REQUEUE_EXIT_CODE, Terminated, UserInputError, report, stopped_line
 from .launch import cpu_threads_per_process
-from .preemption import STOP_SIGNALS, listen_for_stop_signals
+from .preemption import FORCED_EXIT_AFTER_S, STOP_SIGNALS, listen_for_stop_signals
 
 PORT_ATTEMPTS = 3
 CPU_PROCESSES_PER_CORE = 4
 STOP_GRACE_S = 3.0
-# After a stop signal, how long the processes have to reach their next step and write the checkpoint: within
-# the 30 s that SLURM and Kubernetes wait before they kill the job.
-STOP_DEADLINE_S = 25.0
+# After a stop signal, how long the processes have beyond their own --stop-grace: they end by then
+# themselves, at the latest FORCED_EXIT_AFTER_S after it.
+STOP_MARGIN_S = FORCED_EXIT_AFTER_S + 5.0
 Worker = Callable[[int, int, argparse.Namespace], None]
 
 
@@ -83,10 +83,17 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
             if port_is_ours:
                 os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
                 os.environ["MASTER_PORT_CHOSEN_BY"] = "spawn"  # taken meanwhile: try another, not a user error
-            context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size, join=False,
-                                         start_method=start_method)
+            # A signal while the processes start waits until join_all can pass it on: raised in here, it
+            # would leave the processes started so far behind, waiting for the rest of their group.
+            held = hold_stop_signals()
             try:
-                join_all(context)
+                context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size,
+                                             join=False, start_method=start_method)
+            except BaseException:
+                release_stop_signals(held)
+                raise
+            try:
+                join_all(context, getattr(args, "stop_grace", 20.0) + STOP_MARGIN_S, held)
                 return
             except mp.ProcessRaisedException as err:
                 if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
@@ -106,11 +113,21 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
             os.environ.pop("MASTER_PORT_CHOSEN_BY", None)
 
 
-def join_all(context: mp.ProcessContext) -> None:
+def hold_stop_signals() -> object:
+    """Block the stop signals in this thread (where the system can); returns what release_stop_signals takes."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if hasattr(signal, "pthread_sigmask") else None
+
+
+def release_stop_signals(held: object) -> None:
+    if held is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def join_all(context: mp.ProcessContext, stop_deadline_s: float, held: object = None) -> None:
     """Wait until every process has ended; raise as join() does when one fails.
 
     A stop signal that reaches this launcher is passed on to every process, which then stop after the same
-    step and write a checkpoint; those that have not ended STOP_DEADLINE_S later are killed.
+    step and write a checkpoint; those that have not ended `stop_deadline_s` later are killed.
     """
     signalled: list[float] = []
     signalled_by: list[int] = []
@@ -123,12 +140,13 @@ def join_all(context: mp.ProcessContext) -> None:
                 os.kill(process.pid, signum)
 
     previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
+    release_stop_signals(held)  # a signal held meanwhile arrives now, at `forward`
     try:
         # join() raises when one process fails, after stopping the rest: SIGTERM once they had STOP_GRACE_S
         # to notice on their own, SIGKILL STOP_GRACE_S later.
         while not context.join(timeout=1.0, grace_period=STOP_GRACE_S):
-            if signalled and time.monotonic() - signalled[0] > STOP_DEADLINE_S:
-                report(f"error: the processes did not stop within {STOP_DEADLINE_S:.0f} s of the signal; killed "
+            if signalled and time.monotonic() - signalled[0] > stop_deadline_s:
+                report(f"error: the processes did not stop within {stop_deadline_s:.0f} s of the signal; killed "
                        "them (the last checkpoint written is kept)")
                 stop_processes(context.processes, grace_s=0.0)
                 sys.exit(REQUEUE_EXIT_CODE)
