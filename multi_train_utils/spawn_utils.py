@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -83,29 +84,27 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
             if port_is_ours:
                 os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
                 os.environ["MASTER_PORT_CHOSEN_BY"] = "spawn"  # taken meanwhile: try another, not a user error
-            # A signal while the processes start waits until join_all can pass it on: raised in here, it
-            # would leave the processes started so far behind, waiting for the rest of their group.
-            held = hold_stop_signals()
-            try:
+            # Installed before the processes start: a signal meanwhile must not end this launcher in the middle
+            # of starting them, which would leave those started so far waiting for the rest of their group.
+            with stop_signals_passed_on() as passer:
                 context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size,
                                              join=False, start_method=start_method)
-            except BaseException:
-                release_stop_signals(held)
-                raise
-            try:
-                join_all(context, getattr(args, "stop_grace", 20.0) + STOP_MARGIN_S, held)
-                return
-            except mp.ProcessRaisedException as err:
-                if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
-                    print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
-                    continue
-                report(f"error: process {err.error_index} failed (see its traceback above); the others were stopped")
-                sys.exit(1)
-            except mp.ProcessExitedException as err:
-                exit_on_lost_process(err, context.processes)
-            finally:
-                # Also on Ctrl-C to this process: no worker outlives the launcher.
-                stop_processes(context.processes)
+                passer.adopt(context.processes)
+                try:
+                    join_all(context, getattr(args, "stop_grace", 20.0) + STOP_MARGIN_S, passer)
+                    return
+                except mp.ProcessRaisedException as err:
+                    if port_is_ours and port_was_taken(err) and attempt < PORT_ATTEMPTS:
+                        print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
+                        continue
+                    report(f"error: process {err.error_index} failed (see its traceback above); the others were "
+                           "stopped")
+                    sys.exit(1)
+                except mp.ProcessExitedException as err:
+                    exit_on_lost_process(err, context.processes)
+                finally:
+                    # Also on Ctrl-C to this process: no worker outlives the launcher.
+                    stop_processes(context.processes)
     finally:
         if port_is_ours:
             # The next job this process starts (the benchmark starts many) picks a free port of its own.
@@ -113,55 +112,65 @@ def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, sta
             os.environ.pop("MASTER_PORT_CHOSEN_BY", None)
 
 
-def hold_stop_signals() -> object:
-    """Block the stop signals in this thread (where the system can); returns what release_stop_signals takes."""
-    return signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if hasattr(signal, "pthread_sigmask") else None
+class StopSignalPasser:
+    """Passes a stop signal that reaches this launcher on to every process it has started, also to those it
+    started while the signal came."""
 
+    def __init__(self) -> None:
+        self.processes: list[mp.Process] = []
+        self.received: list[tuple[float, int]] = []  # (when, which signal)
 
-def release_stop_signals(held: object) -> None:
-    if held is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received.append((time.monotonic(), signum))
+        self.pass_on(signum)
 
-
-def join_all(context: mp.ProcessContext, stop_deadline_s: float, held: object = None) -> None:
-    """Wait until every process has ended; raise as join() does when one fails.
-
-    A stop signal that reaches this launcher is passed on to every process, which then stop after the same
-    step and write a checkpoint; those that have not ended `stop_deadline_s` later are killed.
-    """
-    signalled: list[float] = []
-    signalled_by: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        signalled.append(time.monotonic())
-        signalled_by.append(signum)
-        for process in context.processes:
+    def pass_on(self, signum: int) -> None:
+        for process in self.processes:
             if process.is_alive():
                 os.kill(process.pid, signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
-    release_stop_signals(held)  # a signal held meanwhile arrives now, at `forward`
+    def adopt(self, processes: list[mp.Process]) -> None:
+        self.processes = processes
+        if self.received:
+            self.pass_on(self.received[0][1])
+
+
+@contextlib.contextmanager
+def stop_signals_passed_on() -> Iterator[StopSignalPasser]:
+    passer = StopSignalPasser()
+    previous = {signum: signal.signal(signum, passer) for signum in STOP_SIGNALS}
+    try:
+        yield passer
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def join_all(context: mp.ProcessContext, stop_deadline_s: float, passer: StopSignalPasser) -> None:
+    """Wait until every process has ended; raise as join() does when one fails.
+
+    After a stop signal, which `passer` has passed on (the processes then stop after the same step and write
+    a checkpoint), those that have not ended `stop_deadline_s` later are killed, and the job exits 143
+    however its processes ended.
+    """
     try:
         # join() raises when one process fails, after stopping the rest: SIGTERM once they had STOP_GRACE_S
         # to notice on their own, SIGKILL STOP_GRACE_S later.
         while not context.join(timeout=1.0, grace_period=STOP_GRACE_S):
-            if signalled and time.monotonic() - signalled[0] > stop_deadline_s:
+            if passer.received and time.monotonic() - passer.received[0][0] > stop_deadline_s:
                 report(f"error: the processes did not stop within {stop_deadline_s:.0f} s of the signal; killed "
                        "them (the last checkpoint written is kept)")
                 stop_processes(context.processes, grace_s=0.0)
                 sys.exit(REQUEUE_EXIT_CODE)
     except (mp.ProcessExitedException, mp.ProcessRaisedException):
-        if not signalled:
+        if not passer.received:
             raise
         # Stopped as asked, whichever way: at a step, or still starting (the signal's own default then ended
         # them, before they could say a word). The job is to be requeued either way.
         stop_processes(context.processes)
         if REQUEUE_EXIT_CODE not in (process.exitcode for process in context.processes):
-            report(stopped_line(signal.Signals(signalled_by[0]).name))
+            report(stopped_line(signal.Signals(passer.received[0][1]).name))
         sys.exit(REQUEUE_EXIT_CODE)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def stop_processes(processes: list[mp.Process], grace_s: float = 10.0) -> None:

@@ -354,3 +354,42 @@ def test_the_readme_sbatch_script_passes_slurms_warning_on_and_requeues_the_job(
         assert saved["progress"] == {**saved["progress"], "epoch": int(stopped.group(2)), "step": int(stopped.group(3))}
     else:
         assert saved["epoch"] == int(stopped.group(4)) and saved["progress"] is None
+
+
+@pytest.mark.slow
+def test_a_signal_while_the_spawned_processes_start_still_ends_the_job_for_a_requeue(data: Path,
+                                                                                     tmp_path: Path) -> None:
+    """While the launcher starts its processes, and before a started one has its handlers (the signal's
+    own default then ends it), the job must still end, exit with the code a requeue expects, and say so."""
+    with open(tmp_path / "log", "w") as log:
+        job = subprocess.Popen([*SCRIPTS["spawn"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"),
+                                *FLAGS], cwd=REPO, env=script_env(), stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not spawned_by(job.pid):  # the launcher is starting its processes
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.02)
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = (tmp_path / "log").read_text()
+    assert job.returncode == 143, output[-3000:]
+    assert output.count("Stopped by SIGTERM") == 1, output[-3000:]
+
+
+def spawned_by(pid: int) -> list[int]:
+    """The processes that torch.multiprocessing started from `pid`, its resource tracker among them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if parent == pid and "multiprocessing" in command:
+                found.append(int(entry.name))
+    return found
