@@ -9,7 +9,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -329,22 +329,11 @@ def test_the_readme_sbatch_script_passes_slurms_warning_on_and_requeues_the_job(
     for stand_in in bin_dir.iterdir():
         stand_in.chmod(0o755)
     env = script_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242")
-    with open(tmp_path / "log", "w") as log:
-        job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=REPO, env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (out / "checkpoint.pth").exists():  # an epoch done: now inside the next one
-            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-            time.sleep(0.1)
-        time.sleep(0.3)
-        job.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@90 sends, to the batch script alone
-        job.wait(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    output = (tmp_path / "log").read_text()
-    assert job.returncode == 143, output[-3000:]
+    # An epoch done: now inside the next one. USR1 is what --signal=B:USR1@90 sends, to the batch script alone.
+    code, output = signal_once_ready(["bash", str(tmp_path / "job.sh")], env, tmp_path / "log",
+                                     lambda job: (out / "checkpoint.pth").exists(), signal.SIGUSR1, settle_s=0.3,
+                                     ready_within_s=120)
+    assert code == 143, output[-3000:]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     stopped = re.search(r"Stopped by SIGTERM (at epoch (\d+), step (\d+)|after epoch (\d+)); its checkpoint is ",
                         output, re.MULTILINE)
@@ -361,22 +350,11 @@ def test_a_signal_while_the_spawned_processes_start_still_ends_the_job_for_a_req
                                                                                      tmp_path: Path) -> None:
     """While the launcher starts its processes, and before a started one has its handlers (the signal's
     own default then ends it), the job must still end, exit with the code a requeue expects, and say so."""
-    with open(tmp_path / "log", "w") as log:
-        job = subprocess.Popen([*SCRIPTS["spawn"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"),
-                                *FLAGS], cwd=REPO, env=script_env(), stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not spawned_by(job.pid):  # the launcher is starting its processes
-            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-            time.sleep(0.02)
-        job.send_signal(signal.SIGTERM)
-        job.wait(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    output = (tmp_path / "log").read_text()
-    assert job.returncode == 143, output[-3000:]
+    # Sent as soon as the launcher is starting its processes.
+    cmd = [*SCRIPTS["spawn"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *FLAGS]
+    code, output = signal_once_ready(cmd, script_env(), tmp_path / "log", lambda job: bool(spawned_by(job.pid)),
+                                     signal.SIGTERM)
+    assert code == 143, output[-3000:]
     assert output.count("Stopped by SIGTERM") == 1, output[-3000:]
 
 
@@ -393,3 +371,24 @@ def spawned_by(pid: int) -> list[int]:
             if parent == pid and "multiprocessing" in command:
                 found.append(int(entry.name))
     return found
+
+
+def signal_once_ready(cmd: list[str], env: dict[str, str], log_path: Path,
+                      ready: Callable[[subprocess.Popen], bool], signum: int, settle_s: float = 0.0,
+                      ready_within_s: float = 60.0) -> tuple[int, str]:
+    """Start `cmd` in a session of its own, send it `signum` once `ready(job)` holds (and `settle_s` later),
+    wait for it to end; return its exit code and its output. Killed through its PID if it overstays."""
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_within_s
+        while not ready(job):
+            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        time.sleep(settle_s)
+        job.send_signal(signum)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, log_path.read_text()
