@@ -1,33 +1,53 @@
-"""Any torchvision classification model by name, with optional starting weights and a frozen body."""
+"""The models --model names: your own (register them here) and every torchvision classification model; with
+optional starting weights and a frozen body."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torchvision
 from torch import nn
 
-from multi_train_utils.checkpoint import load_file
 from multi_train_utils.distributed_utils import print_main
 from multi_train_utils.errors import UserInputError
+from multi_train_utils.files import load_file
+
+ModelFactory = Callable[..., nn.Module]  # called as factory(num_classes=N)
+MODELS: dict[str, ModelFactory] = {}  # your own models, by the name --model gives them
+
+
+def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    """Make a model class (or a function that builds one) a choice of --model: it is called with
+    num_classes=N, and wins over a torchvision model of the same name."""
+
+    def register(factory: ModelFactory) -> ModelFactory:
+        MODELS[name] = factory
+        return factory
+
+    return register
 
 
 def model_names() -> list[str]:
-    """The classification models torchvision can build (resnet34, mobilenet_v3_small, vit_b_16, ...)."""
-    return torchvision.models.list_models(module=torchvision.models)
+    """The names --model takes: the models registered here, then torchvision's classification models
+    (resnet34, mobilenet_v3_small, vit_b_16, ...)."""
+    return [*MODELS, *torchvision.models.list_models(module=torchvision.models)]
 
 
 def check_model_name(name: str) -> None:
     if name not in model_names():
-        raise UserInputError(f"--model {name!r}: not a torchvision classification model "
-                             f"(for example resnet18, resnet34, resnet50, mobilenet_v3_small, efficientnet_b0)")
+        own = f"; or one of your own: {', '.join(MODELS)}" if MODELS else ""
+        raise UserInputError(f"--model {name!r}: neither a model registered in model.py nor a torchvision "
+                             f"classification model (for example resnet18, resnet34, mobilenet_v3_small{own})")
 
 
 def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
-    """A freshly initialised torchvision classification model with `num_classes` outputs."""
+    """A freshly initialised model with `num_classes` outputs."""
     check_model_name(name)
+    if name in MODELS:
+        return MODELS[name](num_classes=num_classes)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
@@ -60,12 +80,17 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def weights_enum(model_name: str, weights_name: str) -> torchvision.models.WeightsEnum:
     """torchvision's published weights of that name, such as DEFAULT or IMAGENET1K_V1."""
+    if model_name in MODELS:
+        raise UserInputError(f"--weights {weights_name}: no such file ({model_name} is a model of model.py, for "
+                             "which torchvision publishes no weights)")
+    published = torchvision.models.get_model_weights(model_name)
     try:
-        return torchvision.models.get_model_weights(model_name)[weights_name]
+        return published[weights_name]
     except KeyError:
-        raise UserInputError(f"--weights {weights_name}: no such file, and not a torchvision weights "
-                             f"name for {model_name} (one of DEFAULT, "
-                             f"{', '.join(torchvision.models.get_model_weights(model_name).__members__)})") from None
+        # DEFAULT is an alias of one of the names, which __members__ lists once more under its own name.
+        names = ", ".join(dict.fromkeys(["DEFAULT", *(weights.name for weights in published)]))
+        raise UserInputError(f"--weights {weights_name}: no such file, and not a torchvision weights name for "
+                             f"{model_name} (one of {names})") from None
 
 
 def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:

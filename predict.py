@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from model import create_model, read_state_dict
-from multi_train_utils.checkpoint import CHECKPOINT_NAME, load_file
+from multi_train_utils.checkpoint import CHECKPOINT_NAME
 from multi_train_utils.cli import MAX_IMAGE_SIZE, at_least
 from multi_train_utils.distributed_utils import resolve_device, use_device
 from multi_train_utils.errors import UserInputError, report
+from multi_train_utils.files import load_file
 from multi_train_utils.transforms import build_transforms, to_model_input
 from my_dataset import UnreadableImageError, decode_rgb
 from utils import list_images

@@ -8,21 +8,17 @@ This script starts the processes itself (torch.multiprocessing.spawn) and hands 
 import argparse
 
 from model import build_model
-from multi_train_utils.checkpoint import find_saved_run, resume
-from multi_train_utils.cli import parse_args, run_cli
+from multi_train_utils.checkpoint import find_saved_run
+from multi_train_utils.cli import run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.ddp import wrap_ddp
-from multi_train_utils.distributed_utils import (
-    DistContext,
-    init_distributed_mode,
-    leave_process_group_at_exit,
-    print_main,
-)
-from multi_train_utils.ema import build_ema
+from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, print_main
+from multi_train_utils.fit import fit
+from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.spawn_utils import processes_to_start, spawn_workers
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import build_optimizer, evaluate_only, fit, optimizer_steps_per_epoch
+from multi_train_utils.train_eval_utils import evaluate_only
 
 
 def main(args: argparse.Namespace) -> None:
@@ -32,8 +28,8 @@ def main(args: argparse.Namespace) -> None:
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
     ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
-    with leave_process_group_at_exit(ctx):  # however train() ends, no rank is left waiting
-        train(args, ctx)
+    train(args, ctx)
+    cleanup()  # should train() fail, run_worker leaves the process group instead, and no rank is left waiting
 
 
 def train(args: argparse.Namespace, ctx: DistContext) -> None:
@@ -43,7 +39,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
     data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on,
                          saved.split)
-    # Each process trains on its own 1/world_size of every epoch (EpochSampler).
+    # Each process trains on its own 1/world_size of every epoch (a DistributedSampler).
     train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
     options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
     model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
@@ -56,15 +52,12 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     # proportionally larger step (the linear scaling rule, Goyal et al. 2017).
     lr = args.lr * ctx.world_size * args.accum_steps
     print_main(f"lr {args.lr} x {ctx.world_size} process(es) x {args.accum_steps} accumulated batch(es) = {lr:g}")
-    steps_per_epoch = optimizer_steps_per_epoch(train_loader, args.accum_steps)  # the lr moves every step
-    optimizer, scheduler = build_optimizer(model, lr, args.epochs, args.lrf, args.warmup_epochs, steps_per_epoch)
-    # --model-ema: its decay per step, too, follows the batches of one step.
-    ema = build_ema(model, args.model_ema, args.model_ema_decay, ctx.world_size * args.accum_steps, saved.state)
-    start, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)  # an epoch, or a step inside one
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start.epoch) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device, start,
-            best_acc, options, ema)
+    optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)
+    steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
+    scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), saved.start_epoch) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, ctx.device, options, saved)
 
 
 if __name__ == "__main__":
-    run_cli(main, parse_args("spawn"))
+    run_cli(main, "spawn")

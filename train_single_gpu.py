@@ -11,14 +11,15 @@ import argparse
 import torch
 
 from model import build_model
-from multi_train_utils.checkpoint import find_saved_run, resume
-from multi_train_utils.cli import parse_args, run_cli
+from multi_train_utils.checkpoint import find_saved_run
+from multi_train_utils.cli import run_cli
 from multi_train_utils.data import build_loaders, load_datasets, seed_everything
 from multi_train_utils.distributed_utils import single_process
-from multi_train_utils.ema import build_ema
+from multi_train_utils.fit import fit
+from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import build_optimizer, evaluate_only, fit, optimizer_steps_per_epoch
+from multi_train_utils.train_eval_utils import evaluate_only
 
 
 def main(args: argparse.Namespace) -> None:
@@ -38,16 +39,12 @@ def main(args: argparse.Namespace) -> None:
         evaluate_only(model, val_loader, ctx.device, options, data.class_names)
         return
     # Each optimizer step now learns from accum_steps batches (see the multi-process scripts for why).
-    steps_per_epoch = optimizer_steps_per_epoch(train_loader, args.accum_steps)  # the lr moves every step
-    optimizer, scheduler = build_optimizer(model, args.lr * args.accum_steps, args.epochs, args.lrf,
-                                           args.warmup_epochs, steps_per_epoch)
-    # --model-ema: a moving average of the weights, validated and saved beside them.
-    ema = build_ema(model, args.model_ema, args.model_ema_decay, args.accum_steps, saved.state)
-    start, best_acc = resume(saved, ctx, model, optimizer, scheduler, options)  # an epoch, or a step inside one
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), start.epoch) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, args.epochs, ctx.device, start,
-            best_acc, options, ema)
+    optimizer = build_optimizer(model, args.opt, args.lr * args.accum_steps, args.weight_decay)
+    steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
+    scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), saved.start_epoch) as recorder:
+        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, ctx.device, options, saved)
 
 
 if __name__ == "__main__":
-    run_cli(main, parse_args("single"))
+    run_cli(main, "single")

@@ -43,15 +43,16 @@ from PIL import Image
 from bench.loader_benchmark import loader_benchmark
 from demo_data import ensure_demo_data
 from model import build_model
-from multi_train_utils.cli import OneLineErrorParser, at_least, one_line, positive_float, str2bool
+from multi_train_utils.cli import OneLineErrorParser, at_least, positive_float, str2bool
 from multi_train_utils.data import build_loaders, load_datasets
 from multi_train_utils.ddp import COMM_HOOKS, wrap_ddp
 from multi_train_utils.distributed_utils import DistContext, barrier, cleanup, init_distributed_mode, single_process
-from multi_train_utils.errors import UserInputError, report
+from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.launch import cpu_threads_per_process
+from multi_train_utils.optim import build_optimizer
 from multi_train_utils.spawn_utils import spawn_workers
 from multi_train_utils.step_options import AMP_CHOICES, StepOptions
-from multi_train_utils.train_eval_utils import build_optimizer, train_one_epoch
+from multi_train_utils.train_eval_utils import train_one_epoch
 
 PHOTOS_ROOT = REPO / "data" / "bench_photos"
 PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's flower_photos
@@ -156,7 +157,7 @@ def training_setup(args: argparse.Namespace, ctx: DistContext, num_classes: int,
     model = build_model(args.model, num_classes).to(ctx.device, memory_format=options.memory_format)
     model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
                      comm_hook=args.comm_hook)
-    optimizer, _ = build_optimizer(model, lr=1e-3, epochs=1)
+    optimizer = build_optimizer(model, lr=1e-3)
     return model, optimizer, options
 
 
@@ -286,7 +287,7 @@ def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
                                 spawn_world_size=world_size if args.probe == "spawn" else None)
     try:
         model, optimizer, options = training_setup(args, ctx, num_classes=5)
-        train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0, options)
+        train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0, options=options)
         synchronize(ctx)
         (Path(args.probe_dir) / f"rank{ctx.rank}").write_text(str(time.time()))
     finally:
@@ -432,8 +433,8 @@ def summarize(args: argparse.Namespace, results: dict[str, dict[str, dict]], lau
 
 
 def main() -> None:
-    args = get_args_parser().parse_args()
     try:
+        args = get_args_parser().parse_args()
         if args.probe == "torchrun":
             probe_worker(0, 0, args)
         elif args.probe == "spawn":

@@ -29,9 +29,11 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from multi_train_utils.data import build_transforms, loader_start_method, usable_cpus
+from multi_train_utils.launch import usable_cpus
+from multi_train_utils.loader_workers import loader_start_method
+from multi_train_utils.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms
 from my_dataset import MyDataSet, collate_fn, load_rgb
-from utils import IMAGENET_MEAN, IMAGENET_STD, read_split_data
+from utils import read_split_data
 
 PHOTO_SIZE = (500, 375)
 PHOTOS_PER_SOURCE = 40

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,10 +33,11 @@ sys.path.insert(0, str(REPO))  # run as `python bench/preemption_benchmark.py` f
 import torch
 
 from model import create_model
-from multi_train_utils.checkpoint import gather_rng_states, make_checkpoint
+from multi_train_utils.checkpoint import Checkpointer
 from multi_train_utils.distributed_utils import find_free_port, single_process
+from multi_train_utils.optim import build_optimizer, build_scheduler
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.train_eval_utils import build_optimizer
+from multi_train_utils.step_options import StepOptions
 
 LAUNCHERS = {
     "single": [sys.executable, str(REPO / "train_single_gpu.py")],
@@ -54,7 +54,8 @@ def spread(values: list[float]) -> list[float]:
 def time_checkpoint_write(model_name: str, repeats: int) -> dict[str, object]:
     """The checkpoint of a model whose optimizer has taken one step (so that its momentum exists)."""
     model = create_model(model_name, 5)
-    optimizer, scheduler = build_optimizer(model, lr=0.01, epochs=10)
+    optimizer = build_optimizer(model, lr=0.01)
+    scheduler = build_scheduler(optimizer, epochs=10)
     model(torch.randn(2, 3, 64, 64)).sum().backward()
     optimizer.step()
     split = {"class_names": [str(i) for i in range(5)], "train": [], "val": []}
@@ -63,10 +64,10 @@ def time_checkpoint_write(model_name: str, repeats: int) -> dict[str, object]:
         for _ in range(repeats):
             with contextlib.redirect_stdout(io.StringIO()), \
                     RunRecorder(Path(folder) / "run", single_process("cpu"), split, {}) as recorder:
+                loader = torch.utils.data.DataLoader(range(10), batch_size=2)
+                checkpoints = Checkpointer(model, optimizer, scheduler, StepOptions(), recorder, loader)
                 started = time.perf_counter()
-                recorder.write_checkpoint(model, partial(
-                    make_checkpoint, optimizer=optimizer, scheduler=scheduler, epoch=0, best_acc=0.0,
-                    rng_states=gather_rng_states(), args={}, scaler=torch.amp.GradScaler("cpu", enabled=False)))
+                checkpoints.save_epoch(0)  # built (weights and random states copied) and written
                 times.append(time.perf_counter() - started)
                 size = recorder.checkpoint_path.stat().st_size
     return {"checkpoint_write_s": spread(times), "checkpoint_mb": round(size / 2**20, 1)}

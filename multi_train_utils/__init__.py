@@ -3,6 +3,16 @@
 The tutorial's helpers are importable from here (`from multi_train_utils import reduce_value`). They are
 loaded on first use, so that a module that needs only `multi_train_utils.errors` (the dataset, the demo
 data) does not load the whole engine, which itself imports those modules.
+
+Each module has one concern, named for it:
+  the loops          train_eval_utils (train_one_epoch, evaluate), fit (the epochs), hooks (the extension point)
+  process set-up     launch (who started this process), distributed_utils (the process group, rank helpers),
+                     spawn_utils (the spawn script's processes), shutdown (ending every process together)
+  data               data (split, datasets, samplers, loaders), loader_workers, transforms, pictures
+  the step           step_options (precision, memory format, accumulation), optim (optimizer, schedule), ddp
+  a run's files      checkpoint (resume, checkpoints), recorder (metrics, weights), files (atomic writes, loads)
+  flags              cli; errors (the ways a run ends, in one line); divergence (a NaN loss)
+  optional features  features lists them: ema, preemption, periodic_checkpoints, tensorboard_log; gpu_decode
 """
 
 import importlib

@@ -1,68 +1,37 @@
-"""Checkpoints that let a stopped run continue exactly where it was, and finding the one to resume."""
+"""Checkpoints that let a stopped run continue exactly where it was: what they hold, which one to resume,
+and where inside an epoch training stands (a checkpoint may be written after any optimizer step)."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import pickle
 import random
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from .ddp import unwrap_model
-from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main
-from .ema import ModelEma
+from .distributed_utils import DistContext, get_world_size, is_dist_avail_and_initialized, print_main, reduce_value
+from .divergence import stop_if_diverged
 from .errors import UserInputError
+from .files import load_file, refuse_a_folder_in_use
+from .hooks import Hook, StepEnd
+from .optim import align_schedule, scheduled_lr
 from .step_options import StepOptions
 
+if TYPE_CHECKING:
+    from .recorder import RunRecorder
+
 CHECKPOINT_NAME = "checkpoint.pth"
-
-
-def save_atomic(obj: object, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file, and
-    two processes writing the same name never share a temporary file. A write that fails (a full disk)
-    removes its temporary file, so that it does not keep the disk full, and ends in one line."""
-    handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp's file is private; a saved file is not
-        with os.fdopen(handle, "wb") as file:
-            torch.save(obj, file)
-        os.replace(scratch, path)
-    except BaseException as err:
-        with contextlib.suppress(OSError):
-            os.unlink(scratch)
-        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}; the files "
-                                 "written before it are kept") from None
-        raise
-
-
-def current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-LOW_DISK_BYTES = 64 * 2**20
-
-
-def why_a_write_failed(err: BaseException, folder: Path) -> str:
-    """A full disk in words: torch.save says "basic_ios::clear: iostream error", which nobody reads as that."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "the disk is full (or the disk quota used up)"
-    free = shutil.disk_usage(folder).free
-    if free < LOW_DISK_BYTES:
-        return f"the disk is full ({free / 2**20:.1f} MB free)"
-    return err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+KEPT_CHECKPOINTS = "checkpoints"  # the older checkpoints that --keep-checkpoints keeps
+# What a run writes besides its checkpoint: if any of it is there, the folder holds a run's results.
+RESULTS = ("metrics.jsonl", "weights/*.pth", f"{KEPT_CHECKPOINTS}/*.pth")
 
 
 def rng_state() -> dict[str, Any]:
@@ -116,32 +85,15 @@ def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @dataclass
 class EpochProgress:
-    """How far training has got inside an epoch: what a checkpoint written in the middle of an epoch keeps,
-    and where a run resumed from it goes on."""
+    """Where training stands inside an epoch: what a checkpoint written in the middle of one keeps, and
+    where a run resumed from it goes on."""
 
     epoch: int
     step: int = 0  # optimizer steps done in the epoch
     # How many of the epoch's shuffled samples all processes together have trained on: the position that
     # still means the same with another number of processes.
     samples_seen: int = 0
-    loss_sum: float = 0.0  # their summed training loss, as of the last checkpoint (for the epoch's train_loss)
-
-
-def make_checkpoint(weights: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, epoch: int, best_acc: float,
-                    rng_states: list[dict[str, Any]], args: dict[str, Any],
-                    scaler: torch.amp.GradScaler, split: dict[str, list[str]] | None = None,
-                    ema: ModelEma | None = None, progress: EpochProgress | None = None) -> dict[str, Any]:
-    """All it takes to continue after `epoch` (the last finished one), or from `progress` inside the next:
-    weights, optimizer and schedule, the fp16 loss scale, the best accuracy so far, the random states of
-    every rank, the arguments (to check that a resumed run is the same run), the classes and split it
-    trains on, and with --model-ema the averaged weights and their best accuracy."""
-    return {
-        "model": weights, "optimizer": to_cpu(optimizer.state_dict()),
-        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "epoch": epoch, "progress": asdict(progress) if progress else None, "best_acc": best_acc,
-        "rng": to_cpu(rng_states), "args": args, "split": split, "ema": ema.state_dict() if ema else None,
-    }
+    loss_sum: float = 0.0  # their summed training loss (for the epoch's train_loss)
 
 
 def position_name(checkpoint: dict[str, Any]) -> str:
@@ -175,51 +127,64 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
                 param_state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
+def results_in(folder: Path) -> list[str]:
+    """The results of a run found in `folder` (metrics, weights, checkpoints), as paths relative to it."""
+    found = sorted({str(path.relative_to(folder)) for pattern in RESULTS for path in folder.glob(pattern)})
+    return [name for name in found if name != "metrics.jsonl" or (folder / name).stat().st_size > 0]
+
+
 def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
     """Which checkpoint to continue from: --resume PATH, or with --resume auto (and in an attempt that
-    torchrun restarted) the one in --output-dir if there is one. A fresh run refuses to overwrite one."""
-    existing = Path(output_dir) / CHECKPOINT_NAME
+    torchrun restarted) the one in --output-dir if there is one. A run never starts afresh over the results
+    of another: its weights and metrics would be overwritten or mixed with the new run's."""
+    folder = Path(output_dir)
+    existing = folder / CHECKPOINT_NAME
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and existing.is_file():
         return existing  # a restarted attempt goes on from where the failed one got to, whatever --resume says
-    if resume == "auto":
-        return existing if existing.is_file() else None
-    if resume:
+    if resume not in (None, "auto"):
         path = Path(resume)
         if path.is_dir():
             raise UserInputError(f"--resume {resume}: is a folder; name its {CHECKPOINT_NAME}, or use --resume auto "
                                  "with --output-dir set to that folder")
-        if not path.is_file():
-            raise UserInputError(f"--resume {resume}: no such file")
         return path
-    if existing.is_file():
+    if existing.exists() and resume == "auto":
+        return existing
+    if existing.exists():
         raise UserInputError(f"--output-dir {output_dir}: holds a run already ({existing}); continue it with "
                              "--resume auto, or choose another --output-dir")
+    results = results_in(folder) if folder.is_dir() else []
+    if results:
+        older = newest_readable(folder)
+        go_on = f"continue it with --resume {older}" if older else "choose another --output-dir"
+        raise UserInputError(f"--output-dir {output_dir}: holds the results of a run ({', '.join(results[:4])}"
+                             f"{', ...' if len(results) > 4 else ''}) but no {CHECKPOINT_NAME} to continue "
+                             f"from; {go_on}, or move those files away")
     return None
 
 
-def load_file(path: Path, flag: str) -> Any:
-    """torch.load of a file the user named, restricted to tensors and plain data (`weights_only`: a .pth file
-    is a pickle, and unpickling an untrusted one can run any code); a file that is not such a file ends in
-    one line of our own words, naming the flag and the file."""
-    if path.is_dir():
-        raise UserInputError(f"{flag} {path}: is a folder; name the .pth file inside it")
-    if path.is_file() and path.stat().st_size == 0:
-        raise UserInputError(f"{flag} {path}: is empty (0 bytes), perhaps a copy or download that broke off")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "Unsupported global" not in str(err):
-            raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
-                                 ) from None
-        raise UserInputError(f"{flag} {path}: holds Python objects besides tensors, which are not loaded because "
-                             "loading them could run any code; save a state_dict of tensors instead") from None
-    except Exception:
-        raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
-                             ) from None
+def newest_readable(folder: Path, but: Path | None = None) -> Path | None:
+    """The newest checkpoint in `folder`'s checkpoints/ that loads, other than `but`."""
+    kept = sorted((folder / KEPT_CHECKPOINTS).glob("*.pth"), key=lambda path: path.stat().st_mtime, reverse=True)
+    for path in kept:
+        if path != but:
+            try:
+                load_file(path, "--resume")
+                return path
+            except UserInputError:
+                continue
+    return None
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    checkpoint = load_file(path, "--resume")
+    """The checkpoint at `path`; if it cannot be read, the error names the newest older one that can."""
+    try:
+        checkpoint = load_file(path, "--resume")
+    except UserInputError as err:
+        older = newest_readable(path.parent, but=path)
+        if older is None:
+            raise
+        raise UserInputError(f"{err}; the newest older checkpoint that loads is {older}: go on from it with "
+                             f"--resume {older}") from None
     if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scheduler", "epoch"} <= set(checkpoint):
         raise UserInputError(f"--resume {path}: not a checkpoint of this project (a plain weights file? "
                              "start from it with --weights instead)")
@@ -256,13 +221,20 @@ class SavedRun:
         """The classes and the train/validation split the run started with (None before they were saved)."""
         return self.state.get("split") if self.state else None
 
+    @property
+    def start_epoch(self) -> int:
+        """The first epoch the resumed run trains (a checkpoint inside an epoch names the one before)."""
+        return self.state["epoch"] + 1 if self.state else 0
+
 
 def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext) -> SavedRun:
     """The checkpoint to continue from, read by rank 0 and sent to every rank; found before the data is
-    read, since a resumed run keeps the classes and the split it started with."""
+    read, since a resumed run keeps the classes and the split it started with. A folder another run is
+    writing to is refused before anything else."""
     found: tuple[str, Any] | None = None
     if ctx.is_main:
         try:
+            refuse_a_folder_in_use(Path(output_dir))
             path = checkpoint_to_resume(resume_flag, output_dir)
             found = (str(path), read_checkpoint(path)) if path else None
         except UserInputError as err:
@@ -273,36 +245,134 @@ def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: 
     return SavedRun(*found) if found else SavedRun()
 
 
-def resume(saved: SavedRun, ctx: DistContext, model: nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler: torch.optim.lr_scheduler.LRScheduler, options: StepOptions) -> tuple[EpochProgress, float]:
-    """Load the saved run into this one, if there is one; return (where training goes on, best accuracy so
-    far)."""
-    if saved.state is None:
-        return EpochProgress(0), 0.0
-    path, checkpoint = saved.path, saved.state
-    try:
-        unwrap_model(model).load_state_dict(checkpoint["model"])
-        load_optimizer_state(optimizer, checkpoint["optimizer"])
-    except (RuntimeError, ValueError) as err:
-        args = checkpoint.get("args", {})
-        raise UserInputError(f"--resume {path}: saved from --model {args.get('model')} on data with other "
-                             f"classes or another model; it does not fit ({str(err).splitlines()[0]})") from None
-    scheduler.load_state_dict(checkpoint["scheduler"])
-    if options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved by a run without fp16
-        options.scaler.load_state_dict(checkpoint["scaler"])
-    states = checkpoint["rng"]
-    if len(states) == ctx.world_size:
-        set_rng_state(states[ctx.rank])
-    else:
-        print_main(f"Resuming with {ctx.world_size} processes instead of {len(states)}: the batches and the "
-                   "random augmentations differ from the saved run's, not the images left to train on")
-    # The lr was scaled with the batch of one optimizer step (processes x accumulated batches); follow it.
-    saved_batches = len(states) * checkpoint.get("args", {}).get("accum_steps", 1)
-    if ctx.world_size * options.accum_steps != saved_batches:
-        rescale_lr(optimizer, scheduler, ctx.world_size * options.accum_steps / saved_batches)
-        print_main(f"The lr is scaled by {ctx.world_size * options.accum_steps}/{saved_batches} with the batches "
-                   "of one optimizer step (processes x --accum-steps)")
-    progress = checkpoint.get("progress")
-    start = EpochProgress(**progress) if progress else EpochProgress(checkpoint["epoch"] + 1)
-    print_main(f"Resuming from {path} at epoch {start.epoch}, step {start.step}")
-    return start, checkpoint["best_acc"]
+class Checkpointer(Hook):
+    """The run's checkpoints: it resumes the saved run, follows where training stands inside each epoch,
+    and builds the checkpoint at the end of an epoch or, when a feature asks (a stop signal, a cadence),
+    after any optimizer step. Every rank builds them (the random states are gathered from all); rank 0 writes.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, options: StepOptions, recorder: RunRecorder,
+                 train_loader: DataLoader) -> None:
+        self.model, self.optimizer, self.scheduler, self.options = model, optimizer, scheduler, options
+        self.recorder, self.train_loader = recorder, train_loader
+        self.steps_per_epoch = -(-len(train_loader) // options.accum_steps)
+        self.samples_per_step = train_loader.batch_size * get_world_size() * options.accum_steps
+        self.start = EpochProgress(0)
+        self.best_acc = 0.0
+        self.hooks: list[Hook] = []  # whose state_dict() the checkpoint keeps too
+        self.last_step: StepEnd | None = None
+        self.last_saved: tuple[int, int | None] | None = None  # (epoch, step) of the last checkpoint written
+        self.saved_at = time.monotonic()  # when it was written (or training started)
+
+    def resume(self, saved: SavedRun) -> int:
+        """Load the saved run into this one, if there is one; return the epoch training goes on in."""
+        if saved.state is None:
+            return 0
+        checkpoint = saved.state
+        try:
+            unwrap_model(self.model).load_state_dict(checkpoint["model"])
+            load_optimizer_state(self.optimizer, checkpoint["optimizer"])
+        except (RuntimeError, ValueError) as err:
+            model = checkpoint.get("args", {}).get("model")
+            raise UserInputError(f"--resume {saved.path}: saved from --model {model} on data with other classes "
+                                 f"or another model; it does not fit ({str(err).splitlines()[0].rstrip(':')})"
+                                 ) from None
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        if self.options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved without fp16
+            self.options.scaler.load_state_dict(checkpoint["scaler"])
+        self.restore_random_states(checkpoint)
+        self.best_acc = checkpoint["best_acc"]
+        progress = checkpoint.get("progress")
+        self.start = EpochProgress(**progress) if progress else EpochProgress(checkpoint["epoch"] + 1)
+        # The position is kept in samples: with other processes or batches, it is another step.
+        self.start.step = self.start.samples_seen // self.samples_per_step
+        print_main(f"Resuming from {saved.path} at epoch {self.start.epoch}, step {self.start.step}")
+        return self.start.epoch
+
+    def restore_random_states(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's random state; with another number of processes, the lr follows the new batch."""
+        states, world_size = checkpoint["rng"], get_world_size()
+        if len(states) == world_size:
+            set_rng_state(states[dist.get_rank() if is_dist_avail_and_initialized() else 0])
+        else:
+            print_main(f"Resuming with {world_size} processes instead of {len(states)}: the batches and the "
+                       "random augmentations differ from the saved run's, not the images left to train on")
+        # The lr was scaled with the batch of one optimizer step (processes x accumulated batches); follow it.
+        saved_batches = len(states) * checkpoint.get("args", {}).get("accum_steps", 1)
+        batches = world_size * self.options.accum_steps
+        if batches != saved_batches:
+            rescale_lr(self.optimizer, self.scheduler, batches / saved_batches)
+            print_main(f"The lr is scaled by {batches}/{saved_batches} with the batches of one optimizer step "
+                       "(processes x --accum-steps)")
+
+    def resumed_part(self, epoch: int) -> EpochProgress:
+        """What was trained of `epoch` before this run: all of the resumed epoch's first part, else nothing."""
+        return self.start if epoch == self.start.epoch else EpochProgress(epoch)
+
+    def on_epoch_start(self, epoch: int) -> None:
+        before = self.resumed_part(epoch)
+        # The resumed epoch's shuffle starts after the samples the stopped run trained on already.
+        if before.samples_seen:
+            self.train_loader.sampler.skip(before.samples_seen)
+        align_schedule(self.scheduler, epoch * self.steps_per_epoch + before.step)  # the lr moves every step
+        self.last_step = None
+
+    def on_step_end(self, step: StepEnd) -> None:
+        self.last_step = step
+
+    def step_in_epoch(self, step: StepEnd) -> int:
+        """Optimizer steps done in the epoch after `step`, those before the resume included."""
+        return self.resumed_part(step.epoch).step + step.step
+
+    def position(self, step: StepEnd) -> EpochProgress:
+        """Where training stands after `step`, counting the part of the epoch trained before this run."""
+        before = self.resumed_part(step.epoch)
+        loss_sum = reduce_value(step.loss_sum.detach().clone().float(), average=False).item()
+        return EpochProgress(step.epoch, self.step_in_epoch(step), before.samples_seen + step.images * get_world_size(),
+                             before.loss_sum + loss_sum)
+
+    def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        """A resumed epoch reports the figures of the whole epoch: its loss over every image of it, and the lr
+        of its first step."""
+        before = self.resumed_part(epoch)
+        if not before.samples_seen:
+            return
+        trained = (self.last_step.images * get_world_size()) if self.last_step else 0
+        metrics["train_loss"] = (before.loss_sum + metrics["train_loss"] * trained) / (before.samples_seen + trained)
+        metrics["lr"] = scheduled_lr(self.scheduler, epoch * self.steps_per_epoch)
+
+    def build(self, epoch: int, progress: EpochProgress | None = None) -> dict[str, Any]:
+        """All it takes to continue after `epoch` (the last finished one), or from `progress` inside the next:
+        weights, optimizer and schedule, the fp16 loss scale, the best accuracy so far, the random states of
+        every rank, the arguments (to check that a resumed run is the same run), the classes and split it
+        trains on, and the state of the hooks that keep one (the moving average of --model-ema)."""
+        checkpoint = {
+            "model": model_weights(self.model), "optimizer": to_cpu(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.options.scaler.state_dict(),
+            "epoch": epoch, "progress": asdict(progress) if progress else None, "best_acc": self.best_acc,
+            "rng": to_cpu(gather_rng_states()), "args": self.recorder.args, "split": self.recorder.split,
+        }
+        for hook in self.hooks:
+            if hook.name:
+                checkpoint[hook.name] = hook.state_dict()
+        return checkpoint
+
+    def save_at(self, step: StepEnd) -> EpochProgress:
+        """Write the checkpoint of the step just taken (every rank takes part); return where it stands."""
+        stop_if_diverged(step.non_finite, step.epoch, step.step)  # a checkpoint never keeps NaN weights
+        progress = self.position(step)
+        self.recorder.write_checkpoint(self.build(step.epoch - 1, replace(progress)))
+        self.last_saved, self.saved_at = (progress.epoch, progress.step), time.monotonic()
+        return progress
+
+    def save_epoch(self, epoch: int) -> None:
+        """Write the checkpoint of the end of `epoch` (every rank takes part)."""
+        self.recorder.write_checkpoint(self.build(epoch))
+        self.last_saved, self.saved_at = (epoch, None), time.monotonic()
+
+    def improved(self, accuracy: float) -> bool:
+        """Whether `accuracy` is the best so far (ties too): best.pth is due."""
+        improved = accuracy >= self.best_acc
+        self.best_acc = max(self.best_acc, accuracy)
+        return improved

@@ -1,22 +1,26 @@
-"""The command line shared by the three scripts: the tutorial's flags, real booleans, checked ranges."""
+"""The command line shared by the three scripts: the tutorial's flags, real booleans, checked ranges; and
+`run_cli`, through which every script runs."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import re
-import signal
-import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Literal, NoReturn
 
+from model import check_model_input, check_weights_source
+from utils import check_data_path
+
+from .checkpoint import CHECKPOINT_NAME
 from .ddp import COMM_HOOKS
-from .errors import Terminated, UserInputError, exit_quietly, report, stopped_line
+from .errors import UserInputError
+from .files import check_readable_file
 from .launch import detect_launch, usable_cpus
-from .preemption import listen_for_stop_signals
+from .optim import OPTIMIZERS, SCHEDULES
+from .shutdown import end_run, listen_for_stop_signals
 from .step_options import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
@@ -66,6 +70,11 @@ def positive_float(text: str, at_most: float = math.inf) -> float:
     return value
 
 
+def non_negative_float(text: str, at_most: float = math.inf) -> float:
+    """A finite number from 0 up to `at_most`."""
+    return 0.0 if text.strip() in ("0", "0.0") else positive_float(text, at_most)
+
+
 def fraction(text: str) -> float:
     return positive_float(text, at_most=1.0)
 
@@ -89,8 +98,10 @@ def decay(text: str) -> float:
     return value
 
 
-# Far beyond what is useful, short of what exhausts a machine: a value past these is a typo.
+# Far beyond what is useful, short of what exhausts a machine or overflows the arithmetic they feed (the lr
+# is multiplied by the processes and the accumulated batches, then by float32 gradients): a typo.
 MAX_IMAGE_SIZE = 4096
+MAX_LR = 1e6
 MAX_SEED = 2**31 - 1  # NumPy takes seeds up to 2**32 - 1, and each rank adds its rank
 WORKERS_PER_CPU = 4
 
@@ -108,14 +119,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """Reports a bad flag in one line, like every other mistake, instead of the whole usage first."""
 
     def error(self, message: str) -> NoReturn:
-        # Under torchrun or srun every process parses the same flags: one of them says what is wrong.
-        if not launched_as_rank_zero():
-            exit_quietly(2)
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
-def launched_as_rank_zero() -> bool:
-    return detect_launch(os.environ).rank == 0
+        raise UserInputError(f"{message} (see {self.prog} --help)")
 
 
 def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
@@ -155,12 +159,22 @@ def add_training_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> N
     add("--batch-size", type=at_least(1, 65536), default=None,
         help=f"images per batch in each process (default {DATA_DEFAULTS['batch_size']}; "
              f"{DEMO_DEFAULTS['batch_size']} on the demo data)")
-    add("--lr", type=positive_float, default=None,
+    add("--lr", type=partial(positive_float, at_most=MAX_LR), default=None,
         help=f"learning rate for one process; multiplied by the number of processes "
              f"(default {DATA_DEFAULTS['lr']}; {DEMO_DEFAULTS['lr']} on the demo data)")
-    add("--lrf", type=fraction, default=0.1, help="final lr as a fraction of --lr (cosine schedule; at most 1)")
-    add("--warmup-epochs", type=at_least(0), default=0, help="epochs of linear lr warm-up before the cosine")
-    add("--model", default="resnet34", help="any torchvision classification model by name")
+    add("--opt", default="sgd", choices=tuple(OPTIMIZERS), help="the optimizer (optim.py: SGD with momentum 0.9, "
+        "or AdamW)")
+    add("--weight-decay", type=partial(non_negative_float, at_most=10.0), default=None,
+        help="weight decay of the weights of convolutions and linear layers; biases and normalisation layers get "
+             f"none (default: {', '.join(f'{name} {decay:g}' for name, (_, _, decay) in OPTIMIZERS.items())})")
+    add("--sched", default="cosine", choices=tuple(SCHEDULES),
+        help="the lr schedule after the warm-up, stepped every optimizer step: cosine down to --lrf x --lr, a tenth "
+             "as large after each third of training, or constant")
+    add("--lrf", type=fraction, default=None, help="--sched cosine: the final lr as a fraction of --lr (default 0.1)")
+    add("--warmup-epochs", type=at_least(0), default=0,
+        help="epochs of linear lr warm-up before the schedule, rising every optimizer step")
+    add("--model", default="resnet34",
+        help="a model registered in model.py, or any torchvision classification model, by name")
     add("--weights", default="",
         help="starting weights: a .pth file, or a torchvision weights name such as DEFAULT (downloads)")
     add("--freeze-layers", type=str2bool, nargs="?", const=True, default=False,
@@ -236,7 +250,7 @@ def add_process_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> No
             help="number of processes to start (default: one per visible GPU, or 2 on CPU)")
     add("--dist-url", default="env://",
         help="how processes find each other: env:// reads MASTER_ADDR/PORT, or tcp://HOST:PORT, file://PATH")
-    add("--dist-timeout", type=positive_float, default=900.0,
+    add("--dist-timeout", type=partial(positive_float, at_most=1e6), default=900.0,
         help="seconds a collective may wait for the other processes before the job fails")
     if launcher == "launch":
         # The legacy `python -m torch.distributed.launch` (without --use_env) passes this; LOCAL_RANK
@@ -258,7 +272,9 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
         args.weights = args.weights or str(Path(args.output_dir) / "weights" / "best.pth")
     problem = flag_combination_problem(args)
     if problem:
-        parser.error(problem)
+        raise UserInputError(problem)
+    if args.sched == "cosine" and args.lrf is None:
+        args.lrf = 0.1
     return args
 
 
@@ -270,6 +286,8 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
                 "costs more than compiling saves; use one of the two")
     if args.warmup_epochs >= args.epochs:
         return f"--warmup-epochs {args.warmup_epochs}: must be fewer than --epochs {args.epochs}"
+    if args.lrf is not None and args.sched != "cosine":
+        return f"--lrf {args.lrf:g}: the final lr of --sched cosine; --sched {args.sched} has none"
     if args.device == "mps" and hasattr(args, "dist_url"):
         return ("--device mps: DistributedDataParallel has no backend for Apple GPUs; train on one with "
                 "train_single_gpu.py --device mps")
@@ -278,57 +296,36 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_cli(main: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
-    """Check the flags against the model and the files, then run `main`. A mistake the user can fix ends
-    with one line on stderr and exit code 2; Ctrl-C with one line and 130. A stop signal (SIGTERM, SIGUSR1)
-    during training ends with a checkpoint of the step where every rank stopped, one line and 143; before
-    training starts, with one line and 143 at once. Every `finally` clean-up runs first."""
+def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
+            argv: Sequence[str] | None = None) -> None:
+    """Parse the flags, check them against the model and the files, then run `main`. However the run ends
+    early, shutdown.end_run ends it: a mistake the user can fix with one line and exit code 2, Ctrl-C with
+    one line and 130, a stop signal with one line and 143 (during training, after the checkpoint of the
+    step where every rank stopped), every `finally` clean-up first."""
     listen_for_stop_signals()
+    args = None
     try:
+        args = parse_args(launcher, argv)
         check_before_start(args)
         main(args)
-    except UserInputError as err:
-        report(f"error: {one_line(err)}")
-        sys.exit(2)
-    except (KeyboardInterrupt, Terminated) as stop:
-        report(stopped_line(stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"))
-        sys.exit(128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT))
+    except BaseException as err:
+        if isinstance(err, SystemExit) and err.code in (None, 0):  # --help, or a run that finished
+            raise
+        checkpoint = Path(args.output_dir) / CHECKPOINT_NAME if args else None
+        end_run(err, detect_launch(os.environ).rank, checkpoint)
 
 
 def check_before_start(args: argparse.Namespace) -> None:
-    """What the parser cannot see: that the model exists and takes this batch, that the files are files.
-    Every process of a launcher finds the same: rank 0 alone says so."""
-    from model import check_model_input, check_weights_source  # the model module is above this package
-
-    try:
-        check_model_input(args.model, args.image_size, args.batch_size)
-        if args.eval_only and not Path(args.weights).is_file():
-            raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
-                                 "with --weights, or the run's folder with --output-dir")
-        if args.weights:
-            check_weights_source(args.model, args.weights)
-        if args.data_path and not Path(args.data_path).is_dir():
-            raise UserInputError(f"--data-path {args.data_path}: "
-                                 f"{'not a folder' if Path(args.data_path).exists() else 'no such folder'}")
-        if args.resume not in (None, "auto") and not Path(args.resume).exists():
-            raise UserInputError(f"--resume {args.resume}: no such file")
-        if Path(args.output_dir).is_file():
-            raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
-    except UserInputError:
-        if not launched_as_rank_zero():
-            exit_quietly(2)
-        raise
-
-
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def one_line(err: BaseException) -> str:
-    """The message of `err` on one line, without terminal colour codes. An error raised in a data-loader
-    worker arrives with the worker's traceback inside its message; its last line is the original message."""
-    lines = [line for line in ANSI_ESCAPE.sub("", str(err)).splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    last = lines[-1]
-    prefix = f"{type(err).__name__}: "
-    return last.split(prefix, 1)[-1] if prefix in last else last
+    """What the parser cannot see: that the model exists and takes this batch, that the files are files."""
+    check_model_input(args.model, args.image_size, args.batch_size)
+    if args.eval_only and not Path(args.weights).is_file():
+        raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
+                             "with --weights, or the run's folder with --output-dir")
+    if args.weights:
+        check_weights_source(args.model, args.weights)
+    if args.data_path:
+        check_data_path(Path(args.data_path))
+    if args.resume not in (None, "auto"):
+        check_readable_file(Path(args.resume), "--resume")
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")

@@ -6,25 +6,17 @@ ask "am I distributed?" before printing, saving or reducing.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import re
 import socket
 import sys
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .errors import Preempted, UserInputError, exit_code, exit_quietly, stop_when_launcher_dies
+from .errors import UserInputError
 from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
-
-# How long a failing process asks the process group's key-value store before it gives up on it (not the
-# --dist-timeout of the collectives: the store's host may be gone with the rest of the job).
-STORE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +91,8 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
     ctx = process_context(launch, device)
     if not ctx.distributed:
         return ctx
+    from .shutdown import stop_when_launcher_dies  # imported here: shutdown builds on this module
+
     stop_when_launcher_dies()
     if launch.master_addr is not None:
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
@@ -126,17 +120,12 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
 
 def process_context(launch: Launch, device: str | None) -> DistContext:
     """This process's rank and device, its share of the CPU cores, its GPU. A mistake found here is found
-    by every process alike, before they can talk to each other: rank 0 alone says so."""
+    by every process alike, before they can talk to each other (rank 0 alone says so: shutdown.end_run)."""
     distributed = launch.source != "single"
-    try:
-        if distributed and resolve_device(device, 0, distributed=False).type == "cuda":
-            check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
-        ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
-                          resolve_device(device, launch.local_rank, distributed), distributed)
-    except UserInputError as err:
-        if launch.rank != 0:
-            exit_quietly(exit_code(err))
-        raise
+    if distributed and resolve_device(device, 0, distributed=False).type == "cuda":
+        check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
+    ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
+                      resolve_device(device, launch.local_rank, distributed), distributed)
     if ctx.device.type == "cpu":
         # SLURM gives each task its own CPUs already (--cpus-per-task); the others share the machine's.
         torch.set_num_threads(cpu_threads_per_process(1 if launch.source == "slurm" else ctx.local_world_size))
@@ -179,35 +168,6 @@ def single_process(device: str | None = None) -> DistContext:
     return ctx
 
 
-class StalledRankError(UserInputError):
-    """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
-
-
-def stalled_rank_error(err: BaseException, ctx: DistContext, settle_s: float = 2.0) -> StalledRankError | None:
-    """If `err` is a collective's time-out, the one-line error naming the ranks that stopped answering.
-
-    Every rank still alive is stuck in the same collective and times out at about the same moment; each
-    marks itself in the process group's key-value store, waits a moment for the others, and names the
-    ranks that never marked themselves (hung in a data loader, a deadlock, a stopped machine). With
-    NCCL, PyTorch's own watchdog ends the processes on a time-out and names the collective instead.
-    """
-    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
-    if not (isinstance(err, RuntimeError) and is_dist_avail_and_initialized()
-            and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
-        return None
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        store.set(f"timed_out/{ctx.rank}", "1")
-        time.sleep(settle_s)
-        silent = [rank for rank in range(ctx.world_size) if not store.check([f"timed_out/{rank}"])]
-    except Exception:  # the store's host (rank 0) is gone too: nothing to name, the original error stands
-        return None
-    return StalledRankError(f"rank {ctx.rank} waited longer than --dist-timeout for the other processes; "
-                            f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
-                            "answering")
-
-
 def cleanup(failed: bool = False) -> None:
     """Leave the process group, if there is one. Safe to call more than once.
 
@@ -218,59 +178,14 @@ def cleanup(failed: bool = False) -> None:
     if not is_dist_avail_and_initialized():
         return
     if failed and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
+        abort_process_group()
     else:
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def leave_process_group_at_exit(ctx: DistContext) -> Iterator[None]:
-    """Run the block, then leave the process group however it ended (see cleanup).
-
-    A stop for preemption (every rank at the same step) leaves as a finished run does. When the block
-    fails, the first process to stop explains why; the others, which then fail too
-    ("connection closed by peer") or stop for the same reason, end with the same exit code and no word.
-    A collective that timed out is explained as the ranks that stopped answering.
-    """
-    try:
-        yield
-    except Preempted:
-        cleanup()  # every rank stopped at the same step, on purpose: leave as after a finished run
-        raise
-    except BaseException as err:
-        reason = stalled_rank_error(err, ctx) or err
-        first = first_to_stop()
-        cleanup(failed=True)
-        if not first:
-            exit_quietly(exit_code(reason))
-        if reason is not err:
-            raise reason from err
-        raise
-    cleanup()
-
-
-def first_to_stop() -> bool:
-    """Whether this is the first process of the job to stop, counted in the process group's key-value
-    store. A store that no longer answers was kept by a process that has stopped already."""
-    if not is_dist_avail_and_initialized():
-        return True
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        return store.add("processes_stopped", 1) == 1
-    except Exception:  # the store's host is gone: it stopped first
-        return False
-
-
-def another_process_failed() -> bool:
-    """Whether a process of the job has already stopped on an error (first_to_stop counted it), or the
-    store that counts them no longer answers."""
-    if not is_dist_avail_and_initialized():
-        return False
-    try:
-        return dist.distributed_c10d._get_default_store().check(["processes_stopped"])
-    except Exception:  # the store's host is gone
-        return True
+def abort_process_group() -> None:
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    abort() if abort else dist.destroy_process_group()
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -314,6 +229,40 @@ def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
         if average:
             value /= world_size
     return value
+
+
+def cpu_side_group(timeout_s: float = 900.0) -> dist.ProcessGroup | None:
+    """A process group for small decisions taken on the host every step (stop? checkpoint?): the default group
+    where it is gloo (CPU tensors), else a gloo group beside NCCL's, so that deciding never makes the CPU wait
+    for the GPU (gloo then needs to reach the other machines too: GLOO_SOCKET_IFNAME names the network
+    interface). None, the default group, where there is no process group or it is gloo's. Every rank must
+    make it, in the same order."""
+    if not is_dist_avail_and_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def agree(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True on every rank if `flag` is true on any (one all-reduce of one number, on the CPU)."""
+    vote = torch.tensor([flag], dtype=torch.int32)
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return bool(vote.item())
+
+
+def reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each named sum added up over all processes, in one all-reduce, in float64 (exact for counts up to
+    2**53). Every process must pass the same names and shapes (dicts keep their order)."""
+    values = [value.detach().flatten() for value in sums.values()]
+    if get_world_size() > 1:  # added up on the device, which is where NCCL reads them
+        flat = reduce_value(torch.cat([value.double() for value in values]), average=False).cpu()
+    else:  # on the CPU: Apple's GPUs have no float64
+        flat = torch.cat([value.cpu().double() for value in values])
+    totals, start = {}, 0
+    for name, value in sums.items():
+        totals[name] = flat[start:start + value.numel()].view(value.shape)
+        start += value.numel()
+    return totals
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:

@@ -1,5 +1,6 @@
 """--model-ema: an exponential moving average of the weights, which often validates better than the weights
-themselves at the end of a noisy schedule (torchvision's references and timm offer it)."""
+themselves at the end of a noisy schedule (torchvision's references and timm offer it). Updated after every
+optimizer step, validated every epoch (ema_val_acc), saved as weights/best_ema.pth and in the checkpoint."""
 
 from __future__ import annotations
 
@@ -8,8 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader
 
+from .checkpoint import Checkpointer, SavedRun
 from .ddp import unwrap_model
+from .distributed_utils import get_world_size
+from .hooks import Hook, StepEnd
+from .recorder import RunRecorder
+from .step_options import StepOptions
+from .train_eval_utils import evaluate
 
 
 def ema_decay_per_step(decay: float, batches_per_step: int) -> float:
@@ -23,7 +31,7 @@ def ema_decay_per_step(decay: float, batches_per_step: int) -> float:
     return 1.0 - min(1.0, (1.0 - decay) * batches_per_step)
 
 
-class ModelEma:
+class ModelEma(Hook):
     """The moving average of a model's weights, and the best validation accuracy it reached.
 
     Each rank averages its own copy of the plain model (not DDP): every rank holds the same weights, so no
@@ -31,12 +39,30 @@ class ModelEma:
     weights. The first update copies the weights.
     """
 
-    def __init__(self, model: nn.Module, decay: float, batches_per_step: int) -> None:
+    name = "ema"
+
+    def __init__(self, model: nn.Module, decay: float, batches_per_step: int, val_loader: DataLoader | None = None,
+                 recorder: RunRecorder | None = None, options: StepOptions | None = None) -> None:
         plain = unwrap_model(model)
+        self.device = next(plain.parameters()).device
         self.decay = ema_decay_per_step(decay, batches_per_step)
-        self.averaged = AveragedModel(plain, device=next(plain.parameters()).device,
-                                      multi_avg_fn=get_ema_multi_avg_fn(self.decay), use_buffers=True)
+        self.averaged = AveragedModel(plain, device=self.device, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
+                                      use_buffers=True)
         self.best_acc = 0.0
+        self.val_loader, self.recorder, self.options = val_loader, recorder, options
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, saved: SavedRun,
+                  val_loader: DataLoader) -> ModelEma | None:
+        """--model-ema, its decay per step following the batches of one step (processes x --accum-steps),
+        restored from the saved run; None without the flag."""
+        if not args.get("model_ema"):
+            return None
+        ema = cls(checkpoints.model, args["model_ema_decay"], get_world_size() * args["accum_steps"], val_loader,
+                  checkpoints.recorder, checkpoints.options)
+        if saved.state and saved.state.get(cls.name):
+            ema.load_state_dict(saved.state[cls.name])
+        return ema
 
     @property
     def model(self) -> nn.Module:
@@ -48,6 +74,19 @@ class ModelEma:
         """Fold the weights of the optimizer step just taken into the average."""
         self.averaged.update_parameters(unwrap_model(model))
 
+    def on_step_end(self, step: StepEnd) -> None:
+        self.update(step.model)
+
+    def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        """Validate the averaged weights, add their figures to the epoch's (ema_val_acc, ...), and save them as
+        weights/best_ema.pth when they are the best the average has reached."""
+        result = evaluate(self.model, self.val_loader, self.device, self.options, len(self.recorder.class_names))
+        metrics.update({"ema_val_acc": result.accuracy, "ema_val_loss": result.loss,
+                        "ema_val_correct": result.correct})
+        if result.accuracy >= self.best_acc:
+            self.recorder.save_weights(self.model, "best_ema.pth")
+        self.best_acc = max(self.best_acc, result.accuracy)
+
     def state_dict(self) -> dict[str, Any]:
         return {"averaged": {k: v.detach().cpu() for k, v in self.averaged.state_dict().items()},
                 "best_acc": self.best_acc}
@@ -56,13 +95,3 @@ class ModelEma:
         self.averaged.load_state_dict(state["averaged"])
         self.best_acc = state["best_acc"]
 
-
-def build_ema(model: nn.Module, enabled: bool, decay: float, batches_per_step: int,
-              checkpoint: dict[str, Any] | None = None) -> ModelEma | None:
-    """The average for --model-ema (None without it), restored from `checkpoint` if the run resumes."""
-    if not enabled:
-        return None
-    ema = ModelEma(model, decay, batches_per_step)
-    if checkpoint is not None and checkpoint.get("ema"):
-        ema.load_state_dict(checkpoint["ema"])
-    return ema

@@ -21,6 +21,9 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from my_dataset import MyDataSet, decode_rgb, read_file
+from utils import SplitData
+
+from .distributed_utils import print_main
 
 EXIF_ORIENTATION = 0x0112
 
@@ -42,6 +45,18 @@ class EncodedBatch(NamedTuple):
     offsets: torch.Tensor
     shapes: torch.Tensor
     image_size: int
+
+    def decode_and_augment(self, device: torch.device) -> torch.Tensor:
+        """The uint8 training batch (N, 3, S, S) on `device`, as the workers' pipeline would have made it."""
+        images = decode_batch(self, device)
+        crops = sample_crops([tuple(image.shape[-2:]) for image in images], self.image_size)
+        return apply_crops(images, crops, self.image_size)
+
+    def whole_images(self) -> torch.Tensor:
+        """The batch's pictures uncropped and unflipped, resized to the square, decoded on the CPU: to look
+        at, without drawing random numbers that training would otherwise have drawn."""
+        images = decode_batch(self, torch.device("cpu"))
+        return apply_crops(images, [Crop(0, 0, *image.shape[-2:], flip=False) for image in images], self.image_size)
 
 
 def gpu_decodable(path: str) -> bool:
@@ -73,6 +88,19 @@ class EncodedImages(MyDataSet):
     @property
     def collate_fn(self) -> functools.partial:
         return functools.partial(collate_encoded, image_size=self.image_size)
+
+
+def gpu_training_set(split: SplitData, image_size: int, device: torch.device) -> EncodedImages | None:
+    """The training images for --decode-on gpu, or None where it cannot run here (said in one line)."""
+    if device.type != "cuda":
+        print_main(f"--decode-on gpu: training on {device.type}, so the loader workers decode the images")
+        return None
+    paths = split.train_images_path
+    others = sum(not path.lower().endswith((".jpg", ".jpeg")) for path in paths)
+    if others:
+        print_main(f"--decode-on gpu: {others} of {len(paths)} training images are not JPEGs; the loader "
+                   "workers decode those")
+    return EncodedImages(paths, split.train_images_label, image_size)
 
 
 def collate_encoded(batch: Sequence[tuple[torch.Tensor, int]], image_size: int) -> tuple[EncodedBatch, torch.Tensor]:
@@ -115,16 +143,3 @@ def apply_crops(images: Sequence[torch.Tensor], crops: Sequence[Crop], image_siz
         out.append(image.flip(-1) if crop.flip else image)
     return torch.stack(out)
 
-
-def decode_and_augment(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
-    """The uint8 training batch (N, 3, S, S) on `device`, as the workers' pipeline would have made it."""
-    images = decode_batch(batch, device)
-    crops = sample_crops([tuple(image.shape[-2:]) for image in images], batch.image_size)
-    return apply_crops(images, crops, batch.image_size)
-
-
-def whole_images(batch: EncodedBatch) -> torch.Tensor:
-    """The batch's pictures uncropped and unflipped, resized to the square, decoded on the CPU: to look at,
-    without drawing random numbers that training would otherwise have drawn."""
-    images = decode_batch(batch, torch.device("cpu"))
-    return apply_crops(images, [Crop(0, 0, *image.shape[-2:], flip=False) for image in images], batch.image_size)

@@ -1,33 +1,28 @@
-"""Everything a run writes, written by rank 0 alone, all under --output-dir."""
+"""Everything a run writes, written by rank 0 alone, all under --output-dir: the class list and the split,
+metrics.jsonl, the weights, and the checkpoint files."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import socket
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
-
-import numpy as np
 import torch
 from torch import nn
 
-from utils import batch_grid
-
-from .checkpoint import CHECKPOINT_NAME, model_weights, position_name, save_atomic
-from .confusion import confusion_image
+from .checkpoint import CHECKPOINT_NAME, KEPT_CHECKPOINTS, model_weights, position_name
 from .distributed_utils import DistContext
 from .errors import UserInputError
+from .files import claim_folder, remove_partial_files, save_atomic
+
+# What a run writes, by kind: a file must not be a folder there, nor a folder a file.
+FILES_WRITTEN = ("class_indices.json", "split.json", "metrics.jsonl", CHECKPOINT_NAME, "weights/best.pth",
+                 "weights/best_ema.pth")
+FOLDERS_WRITTEN = ("weights", KEPT_CHECKPOINTS, "tensorboard")
 
 
 def epoch_of(line: str) -> float:
@@ -38,50 +33,21 @@ def epoch_of(line: str) -> float:
         return float("inf")
 
 
-def args_table(args: dict[str, Any]) -> str:
-    """The run's arguments as a Markdown table, which TensorBoard's Text tab shows as a table."""
-    rows = [f"| {name} | {value} |" for name, value in sorted(args.items())]
-    return "\n".join(["| argument | value |", "| --- | --- |", *rows])
-
-
-def position_of(path: Path) -> str:
-    """The position of a checkpoint this run did not write (the one it resumed from), read without loading
-    its tensors."""
-    try:
-        return position_name(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
-    except Exception:  # not readable as a checkpoint: still kept, under the time it was written
-        return f"checkpoint-{int(path.stat().st_mtime)}"
-
-
-def claim_folder(folder: Path) -> TextIO:
-    """Lock `folder` for this run's life: a second run into it stops at once, instead of both writing the
-    same files. The system releases the lock when the returned file is closed or the process ends,
-    however it ends. (No lock on Windows, which has no flock.)"""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = open(folder / ".lock", "a+")  # noqa: SIM115 - held open for the run's life
-    if fcntl is None:
-        return lock
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let it "
-                             "finish, or choose another --output-dir") from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    return lock
-
-
-Checkpoint = Callable[[dict[str, torch.Tensor]], dict[str, Any]]  # builds a checkpoint from the model's weights
+def check_paths_to_write(folder: Path) -> None:
+    """That nothing is in the way of a file or folder the run will write: found now, not after training."""
+    for name in FILES_WRITTEN:
+        if (folder / name).is_dir():
+            raise UserInputError(f"--output-dir {folder}: {folder / name} is a folder, where the run writes a file; "
+                                 "move it away, or choose another --output-dir")
+    for name in FOLDERS_WRITTEN:
+        if (folder / name).exists() and not (folder / name).is_dir():
+            raise UserInputError(f"--output-dir {folder}: {folder / name} is a file, where the run writes a folder; "
+                                 "move it away, or choose another --output-dir")
 
 
 class RunRecorder:
-    """Writes class_indices.json, split.json, metrics.jsonl, TensorBoard events, weights/model-{epoch}.pth,
-    weights/best.pth and the checkpoint that --resume continues from (with --keep-checkpoints K, the K-1
-    before it in checkpoints/).
+    """Writes class_indices.json, split.json, metrics.jsonl, weights/model-{epoch}.pth, weights/best.pth and
+    the checkpoint that --resume continues from (with --keep-checkpoints K, the K-1 before it in checkpoints/).
 
     On ranks other than 0 every method does nothing, so the training loop never checks the rank.
     """
@@ -103,6 +69,8 @@ class RunRecorder:
             return
         try:
             self.lock = claim_folder(self.output_dir)
+            remove_partial_files(self.output_dir)  # of a run that was killed while it wrote
+            check_paths_to_write(self.output_dir)
             self.weights_dir.mkdir(exist_ok=True)
             (self.output_dir / "class_indices.json").write_text(
                 json.dumps(dict(enumerate(self.class_names)), indent=4) + "\n")
@@ -110,14 +78,7 @@ class RunRecorder:
             self.metrics_file = self.open_metrics(start_epoch)
         except OSError as err:
             raise UserInputError(f"--output-dir {self.output_dir}: cannot write there ({err.strerror})") from None
-        from torch.utils.tensorboard import SummaryWriter  # slow to import; only rank 0 needs it
-
-        # purge_step: a resumed run drops what the stopped one logged after its last checkpoint.
-        self.tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"),
-                                         purge_step=start_epoch or None)
-        self.tensorboard.add_text("args", args_table(args))
-        print(f"Writing to {self.output_dir} (TensorBoard: tensorboard --logdir {shlex.quote(str(self.output_dir))})",
-              flush=True)
+        print(f"Writing to {self.output_dir}", flush=True)
 
     def open_metrics(self, start_epoch: int) -> TextIO:
         """metrics.jsonl, keeping the lines of the epochs a resumed run does not repeat."""
@@ -129,26 +90,15 @@ class RunRecorder:
         metrics_file.writelines(line + "\n" for line in kept)
         return metrics_file
 
-    def add_batch_grid(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        """Show the first training batch in TensorBoard, un-normalised and captioned with its classes:
-        what the model really sees after cropping and flipping, which is rarely what one imagines."""
-        if not self.enabled:
-            return
-        grid = batch_grid(images, labels, self.class_names)
-        self.tensorboard.add_image("first_training_batch", np.asarray(grid), 0, dataformats="HWC")
-        self.tensorboard.flush()
-
     def checkpoint_due(self, epoch: int, last_epoch: int) -> bool:
         """Whether a checkpoint is written after `epoch`: every --save-every epochs and after the last one.
         Every rank gets the same answer, since every rank takes part in building a checkpoint."""
         return (epoch + 1) % self.save_every == 0 or epoch == last_epoch
 
-    def end_epoch(self, model: nn.Module, metrics: dict[str, Any], improved: bool,
-                  checkpoint: Checkpoint | None = None, best_ema: nn.Module | None = None) -> None:
-        """Print the epoch's one-line summary, append it to metrics.jsonl and TensorBoard, and save the
-        weights (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`; the averaged
-        weights `best_ema` as best_ema.pth) and the checkpoint that `checkpoint(weights)` builds, each
-        replaced in one step, so that a crash leaves the previous one whole."""
+    def end_epoch(self, model: nn.Module, metrics: dict[str, Any], improved: bool) -> None:
+        """Print the epoch's one-line summary, append it to metrics.jsonl, and save the weights
+        (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`), each replaced in one
+        step, so that a crash leaves the previous one whole."""
         if not self.enabled:
             return
         epoch = metrics["epoch"]
@@ -159,35 +109,33 @@ class RunRecorder:
               flush=True)
         self.metrics_file.write(json.dumps(metrics) + "\n")
         self.metrics_file.flush()
-        self.add_to_tensorboard(metrics)
-        if best_ema is not None:
-            save_atomic(model_weights(best_ema), self.weights_dir / "best_ema.pth")
-        if not (self.keep_epoch_weights or improved or checkpoint):
+        if not (self.keep_epoch_weights or improved):
             return
-        weights = model_weights(model)  # copied off the GPU once, for every file below
+        weights = model_weights(model)  # copied off the GPU once, for both files
         if self.keep_epoch_weights:
             save_atomic(weights, self.weights_dir / f"model-{epoch}.pth")
         if improved:
             save_atomic(weights, self.weights_dir / "best.pth")
-        if checkpoint:
-            self.write_checkpoint(weights, checkpoint)
 
-    def write_checkpoint(self, model: nn.Module | dict[str, torch.Tensor], checkpoint: Checkpoint) -> None:
-        """Replace the checkpoint with the one `checkpoint` builds from the model's weights (or `model`, the
-        weights already copied), keeping the one it replaces if --keep-checkpoints asks for it."""
+    def save_weights(self, model: nn.Module, name: str) -> None:
+        """Save the plain model's weights as weights/`name`."""
+        if self.enabled:
+            save_atomic(model_weights(model), self.weights_dir / name)
+
+    def write_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Replace the checkpoint, keeping the one it replaces if --keep-checkpoints asks for it."""
         if not self.enabled:
             return
-        state = checkpoint(model if isinstance(model, dict) else model_weights(model))
         self.keep_previous_checkpoint()
-        save_atomic(state, self.checkpoint_path)
-        self.checkpoint_position = position_name(state)
+        save_atomic(checkpoint, self.checkpoint_path)
+        self.checkpoint_position = position_name(checkpoint)
 
     def keep_previous_checkpoint(self) -> None:
         """With --keep-checkpoints K above 1, give the checkpoint about to be replaced a second name in
         checkpoints/, after its position (a hard link: nothing is copied), and delete what K no longer keeps."""
         if self.keep_checkpoints < 2 or not self.checkpoint_path.is_file():
             return
-        kept = self.output_dir / "checkpoints"
+        kept = self.output_dir / KEPT_CHECKPOINTS
         kept.mkdir(exist_ok=True)
         name = self.checkpoint_position or position_of(self.checkpoint_path)
         target = kept / f"{name}.pth"
@@ -200,21 +148,9 @@ class RunRecorder:
         for old in sorted(kept.glob("*.pth"), key=lambda path: path.stat().st_mtime)[:-(self.keep_checkpoints - 1)]:
             old.unlink()
 
-    def add_to_tensorboard(self, metrics: dict[str, Any]) -> None:
-        """The epoch's curves, and its confusion matrix as a picture (TensorBoard's Images tab, with a slider
-        over the epochs)."""
-        epoch = metrics["epoch"]
-        for name in ("train_loss", "val_loss", "val_acc", "ema_val_acc", "lr", "images_per_s", "epoch_time_s"):
-            if name in metrics:
-                self.tensorboard.add_scalar(name, metrics[name], epoch)
-        picture = confusion_image(metrics["confusion_matrix"], self.class_names, f"Confusion matrix, epoch {epoch}")
-        self.tensorboard.add_image("confusion_matrix", np.asarray(picture), epoch, dataformats="HWC")
-        self.tensorboard.flush()
-
     def close(self) -> None:
         if self.enabled:
             self.metrics_file.close()
-            self.tensorboard.close()
             self.lock.close()  # lets the next run into this folder start
 
     def __enter__(self) -> RunRecorder:
@@ -223,3 +159,12 @@ class RunRecorder:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def position_of(path: Path) -> str:
+    """The position of a checkpoint this run did not write (the one it resumed from), read without loading
+    its tensors."""
+    try:
+        return position_name(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    except Exception:  # not readable as a checkpoint: still kept, under the time it was written
+        return f"checkpoint-{int(path.stat().st_mtime)}"

@@ -94,23 +94,6 @@ class StepOptions:
         images = to_model_input(images, device, self.memory_format)
         return images, labels.to(device, non_blocking=True)
 
-    def loss_function(self) -> nn.Module:
-        return nn.CrossEntropyLoss(label_smoothing=self.label_smoothing)
-
-    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Step with the gradients accumulated so far, then clear them.
-
-        With --clip-grad-norm, the gradients are first scaled down to that norm if they exceed it. Under
-        DDP this runs after backward() has averaged them, so every rank clips the same averaged gradients
-        by the same factor; under fp16 they are unscaled first, so the limit applies to the true gradients.
-        """
-        if self.clip_grad_norm is not None:
-            self.scaler.unscale_(optimizer)
-            nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)
-        self.scaler.step(optimizer)  # with fp16, skipped if the gradients overflowed
-        self.scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 

@@ -13,9 +13,8 @@ import functools
 import torch
 from torchvision.transforms import v2
 
-from utils import IMAGENET_MEAN, IMAGENET_STD
-
-from .gpu_decode import EncodedBatch, decode_and_augment
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def build_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
@@ -30,13 +29,13 @@ def build_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
     return train, val
 
 
-def to_model_input(images: torch.Tensor | EncodedBatch, device: torch.device,
+def to_model_input(images: torch.Tensor, device: torch.device,
                    memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
     """A batch from the loader as the model takes it, on `device`: uint8 pixels (N, 3, H, W), or JPEGs
     still to decode (--decode-on gpu), become float32 in the ImageNet normalisation, in `memory_format`.
     Float batches (made by other loaders) are only moved."""
-    if isinstance(images, EncodedBatch):
-        images = decode_and_augment(images, device)
+    if not isinstance(images, torch.Tensor):  # JPEG files of --decode-on gpu (gpu_decode.EncodedBatch)
+        images = images.decode_and_augment(device)
     # Copied as uint8, a quarter of float32's bytes; asynchronously from pinned memory. The layout next,
     # while a pixel is still one byte, not four.
     images = images.to(device, non_blocking=True).to(memory_format=memory_format)

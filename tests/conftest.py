@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+from multi_train_utils import shutdown
+from multi_train_utils.checkpoint import Checkpointer
+from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.optim import build_scheduler
+from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.step_options import StepOptions
 
 REPO = Path(__file__).resolve().parent.parent
 # The multi-process tests start several Python processes on 2 cores; keep every step tiny.
@@ -80,6 +89,30 @@ def python() -> str:
 
 def torchrun() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
+
+
+@pytest.fixture(autouse=True)
+def ends_of_runs_are_undone() -> Iterator[None]:
+    """Tests that run the scripts in this process (run_cli, end_run) change what a process changes once, at its
+    end: the signal handlers, and that its end is under way. Each test starts from pytest's own."""
+    handlers = {signum: signal.getsignal(signum) for signum in (*shutdown.STOP_SIGNALS, signal.SIGINT)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    shutdown._Ending.under_way = shutdown._Ending.store_gone = False
+
+
+@contextlib.contextmanager
+def checkpointer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                 options: StepOptions | None = None, args: dict | None = None, batches: int = 4,
+                 ) -> Iterator[Checkpointer]:
+    """A Checkpointer writing into `folder`, as fit makes one: with a recorder (rank 0 of one process), a
+    cosine schedule over 2 epochs, and a loader of `batches` batches of 2."""
+    split = {"class_names": ["a", "b", "c"], "train": [], "val": []}
+    loader = torch.utils.data.DataLoader(range(2 * batches), batch_size=2)
+    scheduler = build_scheduler(optimizer, epochs=2, steps_per_epoch=batches)
+    with RunRecorder(folder, single_process("cpu"), split, {"model": "small", **(args or {})}) as recorder:
+        yield Checkpointer(model, optimizer, scheduler, options or StepOptions(), recorder, loader)
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -13,8 +13,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from multi_train_utils.data import UnpaddedDistributedSampler
 from multi_train_utils.ddp import unwrap_model, wrap_ddp
 from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode
+from multi_train_utils.optim import build_optimizer, build_scheduler
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import build_optimizer, evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 EPOCHS = 3
 
@@ -68,9 +69,10 @@ def train_fixed_order(ctx: DistContext, batch_size: int, samples: int, sync_bn: 
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
     model = wrap_ddp(small_net(batchnorm=sync_bn).to(ctx.device), ctx, sync_bn=sync_bn, comm_hook=comm_hook)
     all_reduces = count_all_reduces(model) if count else [0]
-    optimizer, scheduler = build_optimizer(model, lr=0.05, epochs=EPOCHS)
+    optimizer = build_optimizer(model, lr=0.05)
+    scheduler = build_scheduler(optimizer, epochs=EPOCHS)  # stepped once an epoch here
     for epoch in range(EPOCHS):
-        train_one_epoch(model, optimizer, loader, ctx.device, epoch, options)
+        train_one_epoch(model, optimizer, loader, ctx.device, epoch, options=options)
         scheduler.step()
     return unwrap_model(model), all_reduces[0]
 

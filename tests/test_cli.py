@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from torch.utils.data import DataLoader
 
-from multi_train_utils import cli
-from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS, get_args_parser, one_line, parse_args, run_cli
+from multi_train_utils import shutdown
+from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS, get_args_parser, parse_args, run_cli
+from multi_train_utils.errors import UserInputError, one_line
 from my_dataset import MyDataSet, UnreadableImageError, collate_fn
 
 TUTORIAL_FLAGS = ["--num_classes", "--epochs", "--batch-size", "--lr", "--lrf", "--data-path", "--weights",
@@ -49,11 +49,14 @@ def test_boolean_flag_alone_means_true_and_absent_means_false() -> None:
                                   ["--lr", "inf"], ["--lr", "nan"], ["--lrf", "1.5"], ["--dist-timeout", "inf"],
                                   ["--bucket-cap-mb", "1e309"], ["--seed", "-1"], ["--seed", str(2**32)],
                                   ["--image-size", "100000"], ["--workers", "100000"], ["--accum-steps", "100000"],
-                                  ["--epochs", str(10**12)], ["--batch-size", str(10**9)]])
-def test_out_of_range_values_are_refused_naming_the_flag(argv: list[str],
-                                                         capsys: pytest.CaptureFixture) -> None:
+                                  ["--epochs", str(10**12)], ["--batch-size", str(10**9)],
+                                  # past what the arithmetic they feed holds
+                                  ["--lr", "1e308"], ["--lr", "1e7"], ["--dist-timeout", "1e308"],
+                                  ["--weight-decay", "1e300"], ["--weight-decay", "-0.1"], ["--stop-grace", "1e300"],
+                                  ["--checkpoint-every-minutes", "1e300"], ["--clip-grad-norm", "1e300"]])
+def test_out_of_range_values_are_refused_naming_the_flag(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        parse_args("spawn", argv)
+        run_cli(lambda args: pytest.fail("ran"), "spawn", argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: argument {argv[0]}") and err.count("\n") == 1, err
@@ -84,24 +87,22 @@ def test_one_line_takes_the_original_message_out_of_a_data_loader_worker(tmp_pat
     assert one_line(ValueError("plain")) == "plain"
 
 
-def test_syncbn_with_compile_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_syncbn_with_compile_is_refused_in_one_line() -> None:
     """torch.compile breaks its graph at every SyncBatchNorm layer."""
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(UserInputError, match=r"^--syncBN with --compile"):
         parse_args("launch", ["--syncBN", "--compile"])
-    assert stop.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: --syncBN with --compile")
     assert parse_args("launch", ["--syncBN", "false", "--compile"]).compile
 
 
 @pytest.mark.parametrize(("argv", "start"), [
     (["--warmup-epochs", "5", "--epochs", "5"], "error: --warmup-epochs 5: must be fewer than --epochs 5"),
     (["--dist-url", "localhost:1234"], "error: --dist-url localhost:1234: expected env://"),
+    (["--sched", "constant", "--lrf", "0.5"], "error: --lrf 0.5: the final lr of --sched cosine"),
 ])
 def test_flags_that_do_not_go_together_are_one_line(argv: list[str], start: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stop:
-        parse_args("spawn", argv)
+        run_cli(lambda args: pytest.fail("ran"), "spawn", argv)
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(start), line
@@ -112,9 +113,9 @@ def test_under_a_launcher_only_rank_0_reports_a_bad_flag(monkeypatch: pytest.Mon
     """torchrun starts N processes that each parse the same flags: one line, not N."""
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(cli, "exit_quietly", lambda code: sys.exit(code))
+    monkeypatch.setattr(shutdown, "QUIET_EXIT_DELAY_S", 0.0)
     with pytest.raises(SystemExit) as stop:
-        parse_args("launch", ["--epochs", "0"])
+        run_cli(lambda args: pytest.fail("ran"), "launch", ["--epochs", "0"])
     assert stop.value.code == 2 and capsys.readouterr().err == ""
 
 
@@ -126,13 +127,16 @@ def test_help_names_each_default_once(launcher: str) -> None:
 
 
 @pytest.mark.parametrize(("flags", "start"), [
-    (["--model", "resnet_nine"], "error: --model 'resnet_nine': not a torchvision classification model"),
+    (["--model", "resnet_nine"], "error: --model 'resnet_nine': neither a model registered in model.py nor a "
+                                 "torchvision classification model"),
     (["--batch-size", "1"], "error: --batch-size 1: resnet34 cannot train on batches of 1 images"),
     (["--model", "vit_b_16", "--image-size", "64"], "error: --image-size 64: vit_b_16 cannot train"),
     (["--weights", "IMAGENET_NONE"], "error: --weights IMAGENET_NONE: no such file, and not a torchvision weights"),
     (["--data-path", "/no/such/folder"], "error: --data-path /no/such/folder: no such folder"),
     (["--data-path", __file__], f"error: --data-path {__file__}: not a folder"),
     (["--resume", "/no/such.pth"], "error: --resume /no/such.pth: no such file"),
+    (["--resume", "/dev/null"], "error: --resume /dev/null: not a regular file"),
+    (["--resume", "/tmp"], "error: --resume /tmp: is a folder"),
     (["--output-dir", __file__], f"error: --output-dir {__file__}: is a file"),
 ])
 def test_flags_are_checked_against_the_model_and_the_files_before_any_work(
@@ -141,7 +145,7 @@ def test_flags_are_checked_against_the_model_and_the_files_before_any_work(
         raise AssertionError("training started")
 
     with pytest.raises(SystemExit) as stop:
-        run_cli(must_not_run, parse_args("single", flags))
+        run_cli(must_not_run, "single", flags)
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(start), line

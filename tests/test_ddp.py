@@ -105,10 +105,10 @@ def test_a_short_last_group_weighs_each_of_its_batches_by_its_own_size() -> None
 
     def train(batches: list[list[int]], accum_steps: int) -> dict[str, torch.Tensor]:
         model = ddp_workers.small_net()
-        optimizer, _ = ddp_workers.build_optimizer(model, lr=0.05, epochs=1)
+        optimizer = ddp_workers.build_optimizer(model, lr=0.05)
         loader = DataLoader(dataset, batch_sampler=batches)
         options = StepOptions("cpu", accum_steps=accum_steps)
-        ddp_workers.train_one_epoch(model, optimizer, loader, ctx.device, 0, options)
+        ddp_workers.train_one_epoch(model, optimizer, loader, ctx.device, 0, options=options)
         return model.state_dict()
 
     micro = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]

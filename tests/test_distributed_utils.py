@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
 import time
-from typing import NoReturn
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import requires_cuda
-from multi_train_utils import distributed_utils, errors
+from multi_train_utils import distributed_utils, errors, shutdown
 from multi_train_utils.ddp import wrap_ddp
 from multi_train_utils.distributed_utils import (
-    DistContext,
     get_rank,
     get_world_size,
     init_distributed_mode,
     is_dist_avail_and_initialized,
     is_main_process,
-    leave_process_group_at_exit,
     reduce_value,
     resolve_device,
     single_process,
@@ -215,7 +212,6 @@ class FakeGroup:
         monkeypatch.setattr(torch.distributed, "destroy_process_group", lambda: self.calls.append("destroy"))
         monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group",
                             lambda: self.calls.append("abort"))
-        monkeypatch.setattr(distributed_utils, "first_to_stop", lambda: True)
 
 
 @pytest.mark.parametrize(("backend", "fails", "expected"), [
@@ -224,68 +220,86 @@ def test_a_failed_rank_aborts_nccl_instead_of_waiting_for_the_others(
         monkeypatch: pytest.MonkeyPatch, backend: str, fails: bool, expected: list[str]) -> None:
     """destroy_process_group on NCCL waits for collectives that ranks still blocked may never finish."""
     group = FakeGroup(backend, monkeypatch)
-    ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True)
-    with contextlib.suppress(ValueError), leave_process_group_at_exit(ctx):
-        if fails:
-            raise ValueError("a user error on this rank")
+    distributed_utils.cleanup(failed=fails)
+    distributed_utils.cleanup(failed=fails)  # once left, left
     assert group.calls == expected
 
 
-def test_only_the_first_process_to_stop_explains(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The others end with the same exit code and no word: their failure follows from the first one's."""
+@pytest.fixture
+def connected(monkeypatch: pytest.MonkeyPatch) -> torch.distributed.Store:
+    """A process group of two as end_run sees it: a key-value store shared by its processes, nothing to leave,
+    and no moment's wait for a quiet exit."""
     store = torch.distributed.HashStore()
-    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: store)
-    monkeypatch.setattr(distributed_utils, "cleanup", lambda failed=False: None)
+    monkeypatch.setattr(shutdown, "cleanup", lambda failed=False: None)
+    monkeypatch.setattr(shutdown, "QUIET_EXIT_DELAY_S", 0.0)
+    return store
 
-    def exit_quietly(code: int) -> NoReturn:
-        raise QuietExit(code)
 
-    monkeypatch.setattr(distributed_utils, "exit_quietly", exit_quietly)
-    ctx = DistContext(0, 0, 2, 2, torch.device("cpu"), distributed=True)
-    with pytest.raises(UserInputError), leave_process_group_at_exit(ctx):
-        raise UserInputError("cannot read image a.jpg")
-    with pytest.raises(QuietExit) as quiet, leave_process_group_at_exit(ctx):
-        raise RuntimeError("Connection closed by peer")
-    assert quiet.value.code == 1
-    with pytest.raises(QuietExit) as quiet, leave_process_group_at_exit(ctx):
-        raise UserInputError("the same mistake, found by another rank")
-    assert quiet.value.code == 2
+def ended(err: BaseException, rank: int, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """end_run's exit code and what it wrote to stderr."""
+    with pytest.raises(SystemExit) as stop:
+        shutdown.end_run(err, rank)
+    return stop.value.code, capsys.readouterr().err
+
+
+def test_only_the_first_process_to_stop_explains(connected: torch.distributed.Store,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The others end with the same exit code and no word: their failure follows from the first one's."""
+    assert ended(UserInputError("cannot read image a.jpg"), 1, capsys) == (2, "error: cannot read image a.jpg\n")
+    assert ended(RuntimeError("Connection closed by peer"), 0, capsys) == (1, "")
+    assert ended(UserInputError("the same mistake, found by another rank"), 2, capsys) == (2, "")
+
+
+def test_a_signal_is_told_by_rank_0_without_asking_the_store(connected: torch.distributed.Store,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Every process got Ctrl-C or the launcher's SIGTERM: the store (whose host may be ending too) is not asked."""
+    code, said = ended(KeyboardInterrupt(), 0, capsys)
+    assert code == 130 and said == "Stopped by Ctrl-C before any checkpoint was written\n"
+    assert ended(errors.Terminated("SIGTERM"), 1, capsys) == (143, "")
+    assert not connected.check(["processes_stopped"])
+
+
+def test_the_stop_line_names_the_checkpoint_only_when_there_is_one(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint.pth"
+    assert shutdown.stopped_line(errors.Terminated("SIGTERM"), checkpoint) == (
+        "Stopped by SIGTERM before any checkpoint was written")
+    checkpoint.write_bytes(b"saved")
+    assert shutdown.stopped_line(KeyboardInterrupt(), checkpoint) == (
+        f"Stopped by Ctrl-C; the last checkpoint written, {checkpoint}, is kept; go on with --resume auto")
 
 
 def test_a_store_nobody_answers_means_another_process_stopped_first(monkeypatch: pytest.MonkeyPatch) -> None:
     def gone() -> None:
         raise RuntimeError("Connection reset by peer")
 
-    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
-    assert distributed_utils.first_to_stop() is False
+    assert shutdown.first_to_stop() is False
+    assert shutdown.another_process_failed() is True
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store",
+                        lambda: pytest.fail("a store found gone is not asked again: each try prints C++ frames"))
+    assert shutdown.first_to_stop() is False and shutdown.another_process_failed() is True
 
 
 def test_a_quiet_exit_waits_for_the_explaining_process_and_stays_quiet_when_stopped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun stops every process once one ends: the quiet ones wait a moment, so that the one that
     explains is not stopped before it has said why; torchrun's SIGTERM meanwhile ends them quietly too."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(errors, "QUIET_EXIT_DELAY_S", 5.0)
+    monkeypatch.setattr(shutdown, "QUIET_EXIT_DELAY_S", 5.0)
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
     started = time.monotonic()
-    try:
-        with pytest.raises(QuietExit) as quiet:
-            errors.exit_quietly(2)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    with pytest.raises(QuietExit) as quiet:
+        shutdown.exit_quietly(2)
     assert quiet.value.code == 2 and 0.2 < time.monotonic() - started < 4
 
 
 def test_a_time_out_whose_store_is_gone_too_keeps_the_original_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Naming the silent ranks needs the store; if its host (rank 0) is gone, the error stands as it was,
-    and leaving the group still happens."""
+    """Naming the silent ranks needs the store; if its host (rank 0) is gone, the error stands as it was."""
     def gone() -> None:
         raise RuntimeError("Connection reset by peer")
 
-    monkeypatch.setattr(distributed_utils, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
-    ctx = DistContext(1, 1, 2, 2, torch.device("cpu"), distributed=True)
-    assert distributed_utils.stalled_rank_error(RuntimeError("Timed out waiting 5000ms"), ctx, settle_s=0) is None
+    assert shutdown.stalled_rank_error(RuntimeError("Timed out waiting 5000ms"), 1, settle_s=0) is None

@@ -14,12 +14,13 @@ from PIL import Image
 
 import multi_train_utils.data as data
 from conftest import REPO, requires_cuda
-from multi_train_utils import gpu_decode
+from multi_train_utils import gpu_decode, loader_workers
 from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.pictures import batch_grid
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.transforms import build_transforms, to_model_input
+from multi_train_utils.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, to_model_input
 from my_dataset import MyDataSet, collate_fn, decode_rgb, load_rgb
-from utils import IMAGENET_MEAN, IMAGENET_STD, batch_grid, read_split_data
+from utils import read_split_data
 
 spec = importlib.util.spec_from_file_location("loader_benchmark", REPO / "bench" / "loader_benchmark.py")
 loader_benchmark = importlib.util.module_from_spec(spec)
@@ -120,7 +121,7 @@ def test_the_batch_grid_shows_uint8_batches() -> None:
 @pytest.mark.parametrize(("cpus", "local_processes", "device", "workers"), [
     (12, 1, "cuda", 11),  # one CPU left to the training process
     (12, 4, "cuda", 2),   # 3 CPUs per GPU process
-    (128, 1, "cuda", data.MAX_GPU_WORKERS),
+    (128, 1, "cuda", loader_workers.MAX_GPU_WORKERS),
     (1, 1, "cuda", 1),
     (2, 1, "cpu", 0),     # on a CPU, training needs the cores itself
     (32, 2, "cpu", 4),
@@ -130,7 +131,7 @@ def test_default_workers_count_the_cpus_this_process_may_use(monkeypatch: pytest
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 256)  # the machine's count must not matter
     ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
-    assert data.default_workers(ctx) == workers
+    assert loader_workers.default_workers(ctx) == workers
 
 
 def mixed_folder(root: Path) -> list[Path]:
@@ -152,7 +153,7 @@ def test_gpu_decode_logic_on_the_cpu_gives_the_workers_crops_flips_and_labels(tm
     assert batch.shapes[:, 0].tolist() == [0, 0, 3, 3, 0], "the rotated JPEG and the PNG come decoded"
     for seed in range(3):
         torch.manual_seed(seed)
-        on_device = gpu_decode.decode_and_augment(batch, torch.device("cpu"))
+        on_device = batch.decode_and_augment(torch.device("cpu"))
         torch.manual_seed(seed)
         reference = MyDataSet(paths, labels, build_transforms(64)[0])
         expected = torch.stack([reference[i][0] for i in range(len(paths))])
@@ -229,9 +230,9 @@ def test_on_a_gpu_nvjpeg_gives_the_workers_batch_within_rounding(tmp_path: Path)
     encoded = gpu_decode.EncodedImages(paths, list(range(len(paths))), 64)
     batch, _ = encoded.collate_fn([encoded[i] for i in range(len(paths))])
     torch.manual_seed(0)
-    on_gpu = gpu_decode.decode_and_augment(batch, torch.device("cuda"))
+    on_gpu = batch.decode_and_augment(torch.device("cuda"))
     torch.manual_seed(0)
-    on_cpu = gpu_decode.decode_and_augment(batch, torch.device("cpu"))
+    on_cpu = batch.decode_and_augment(torch.device("cpu"))
     assert on_gpu.is_cuda and on_gpu.dtype == torch.uint8
     levels = (on_gpu.cpu().int() - on_cpu.int()).abs().float()
     assert levels.mean() < 2.0, f"{levels.mean():.2f} levels off on average"

@@ -16,13 +16,17 @@ import pytest
 import torch
 from torch import nn
 
-import multi_train_utils.train_eval_utils as engine
+import multi_train_utils.fit as engine
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, script_env, torchrun
-from multi_train_utils import preemption
-from multi_train_utils.cli import parse_args, run_cli
-from multi_train_utils.data import EpochSampler, leave_signals_to_the_trainer, loader_start_method
+from conftest import REPO, TINY_FLAGS, checkpointer, free_port, make_image_folder, python, run, script_env, torchrun
+from multi_train_utils import preemption, shutdown
+from multi_train_utils.cli import run_cli
+from multi_train_utils.data import ResumableDistributedSampler
 from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.errors import Preempted
+from multi_train_utils.hooks import StepEnd
+from multi_train_utils.loader_workers import leave_signals_to_the_trainer, loader_start_method
+from multi_train_utils.periodic_checkpoints import PeriodicCheckpoints
 from multi_train_utils.recorder import RunRecorder
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
@@ -43,9 +47,10 @@ def torchrun_cmd() -> list[str]:
 def test_an_epoch_resumed_on_another_world_size_deals_every_remaining_sample_once(
         size: int, before: int, after: int, batch: int, steps_done: int) -> None:
     def shares(world_size: int, samples_seen: int) -> list[list[int]]:
-        samplers = [EpochSampler(size, world_size, rank, seed=7) for rank in range(world_size)]
+        samplers = [ResumableDistributedSampler(range(size), world_size, rank, seed=7) for rank in range(world_size)]
         for sampler in samplers:
-            sampler.set_epoch(4, samples_seen)
+            sampler.set_epoch(4)
+            sampler.skip(samples_seen)
         return [list(sampler) for sampler in samplers]
 
     first = [share[:steps_done * batch] for share in shares(before, 0)]  # what the stopped run trained
@@ -64,9 +69,10 @@ def test_an_epoch_resumed_on_another_world_size_deals_every_remaining_sample_onc
 def test_a_fresh_epoch_is_the_shuffle_distributed_sampler_deals_without_its_repeats(size: int) -> None:
     samples = list(range(size))
     for rank in range(3):
-        ours = EpochSampler(size, 3, rank, seed=5)
+        ours = ResumableDistributedSampler(samples, 3, rank, seed=5)
         theirs = torch.utils.data.DistributedSampler(samples, num_replicas=3, rank=rank, shuffle=True, seed=5)
-        ours.set_epoch(2)
+        ours.skip(9)
+        ours.set_epoch(2)  # a new epoch starts at its beginning
         theirs.set_epoch(2)
         # 23 on 3: DistributedSampler pads to 24 with a repeat and gives each 8; each gets its first 7 here.
         assert list(ours) == list(theirs)[:size // 3] and len(ours) == size // 3
@@ -74,47 +80,54 @@ def test_a_fresh_epoch_is_the_shuffle_distributed_sampler_deals_without_its_repe
 
 # ---- when to write a checkpoint inside an epoch, and when to stop ---------------------------------------------
 
-def test_checkpoints_come_every_n_steps_or_m_minutes_and_a_signal_stops(monkeypatch: pytest.MonkeyPatch) -> None:
-    by_steps = preemption.StepControl(every_steps=4, every_minutes=None, steps_per_epoch=6)
-    # Steps counted over epochs: step 2 of epoch 1 is step 8 of the run.
-    assert [by_steps.after_step(epoch, step)[0] for epoch in (0, 1) for step in range(1, 7)] == [
-        False, False, False, True, False, False, False, True, False, False, False, True]
+def step_end(epoch: int, step: int) -> StepEnd:
+    return StepEnd(epoch, step, step * 2, torch.zeros(()), torch.zeros(()), nn.Linear(1, 1))
 
-    clock = [1000.0]
-    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
-    by_time = preemption.StepControl(every_steps=None, every_minutes=0.5, steps_per_epoch=6)
-    clock[0] += 29
-    assert by_time.after_step(0, 1) == (False, False)
-    clock[0] += 2
-    assert by_time.after_step(0, 2) == (True, False)
-    by_time.checkpoint_written()
-    assert by_time.after_step(0, 3) == (False, False)
 
-    monkeypatch.setattr(preemption._StopRequest, "signal_name", "SIGUSR1")
-    assert by_time.after_step(0, 4) == (True, True), "a stop always writes the checkpoint of its step"
-    assert by_time.stop_now()
+def test_checkpoints_come_every_n_steps_or_m_minutes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(2, 2)
+    with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run", batches=6) as saver:
+        saved: list[tuple[int, int]] = []
+        monkeypatch.setattr(saver, "save_at", lambda step: saved.append((step.epoch, step.step)))
+        by_steps = PeriodicCheckpoints(saver, every_steps=4)
+        for epoch in (0, 1):
+            for step in range(1, 7):
+                by_steps.on_step_end(step_end(epoch, step))
+        # Steps counted over epochs: step 2 of epoch 1 is step 8 of the run.
+        assert saved == [(0, 4), (1, 2), (1, 6)]
+
+        saved.clear()
+        clock = [saver.saved_at]
+        monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+        by_time = PeriodicCheckpoints(saver, every_minutes=0.5)
+        clock[0] += 29
+        by_time.on_step_end(step_end(0, 1))
+        clock[0] += 2
+        by_time.on_step_end(step_end(0, 2))
+        assert saved == [(0, 2)]
 
 
 def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once_before_or_at_the_deadline(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    previous = {signum: signal.getsignal(signum) for signum in preemption.STOP_SIGNALS}
-    try:
-        preemption.listen_for_stop_signals()
-        with pytest.raises(SystemExit) as stopped, preemption.stopping_at_steps(grace_s=0.5):
+        tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    shutdown.listen_for_stop_signals()
+    with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run") as saver:
+        stop = preemption.StopAtStep(saver, grace_s=0.5, epochs=2)
+        stop.on_fit_start()
+        try:
             os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's early warning: no deadline yet
             time.sleep(1.5)  # the handler has run; nothing is raised: the next step will stop the run
             assert preemption.stop_signal() == "SIGUSR1"
-            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's last word: the kill follows
-            started = time.monotonic()
-            time.sleep(10)  # a rank that never reaches its next step (a long validation, a hung loader)
-        assert stopped.value.code == 143 and time.monotonic() - started < 2, "stopped at the deadline"
-        with pytest.raises(SystemExit) as stopped:  # outside the training loop: at once
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1)
-        assert stopped.value.code == 143
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            with pytest.raises(Preempted):  # at the next step, with the checkpoint of that step
+                stop.on_step_end(step_end(0, 3))
+            assert torch.load(saver.recorder.checkpoint_path, weights_only=True)["progress"]["step"] == 3
+            with pytest.raises(SystemExit) as stopped:
+                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's last word: the kill follows
+                started = time.monotonic()
+                time.sleep(10)  # a rank that never reaches its next step (a long validation, a hung loader)
+            assert stopped.value.code == 143 and time.monotonic() - started < 2, "stopped at the deadline"
+        finally:
+            stop.on_fit_end()
 
 
 # ---- --keep-checkpoints ---------------------------------------------------------------------------------------------
@@ -126,8 +139,8 @@ def test_keep_checkpoints_keeps_the_newest_k(tmp_path: Path, keep: int) -> None:
     with RunRecorder(tmp_path, single_process("cpu"), split, {"keep_checkpoints": keep}) as recorder:
         for epoch, step in positions:
             progress = {"epoch": epoch, "step": step} if step else None
-            recorder.write_checkpoint(nn.Linear(1, 1), lambda weights, e=epoch, p=progress: {
-                "model": weights, "epoch": e if p is None else e - 1, "progress": p})
+            recorder.write_checkpoint({"model": {}, "epoch": epoch if progress is None else epoch - 1,
+                                       "progress": progress})
             time.sleep(0.01)  # distinct modification times, by which the oldest go first
     newest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert newest["progress"] == {"epoch": 1, "step": 4}
@@ -225,46 +238,43 @@ def resume(cmd: list[str], data: Path, out: Path, saved: dict, env: dict[str, st
 def train_in_this_process(data: Path, out: Path, *extra: str) -> None:
     """train_single_gpu.py as its command line runs it, without starting a Python: run_cli, its signal
     handling and all."""
-    run_cli(train_single_gpu.main, parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *FLAGS,
-                                                         *extra]))
+    try:
+        run_cli(train_single_gpu.main, "single", ["--data-path", str(data), "--output-dir", str(out), *FLAGS, *extra])
+    finally:
+        shutdown._Ending.under_way = False  # a process ends once; this test ends several runs in one
 
 
 def test_a_single_process_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_unbroken_weights(
         data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    previous = {signum: signal.getsignal(signum) for signum in preemption.STOP_SIGNALS}  # run_cli replaces them
-    try:
-        train_in_this_process(data, tmp_path / "unbroken")
-        real_train_one_epoch = engine.train_one_epoch
+    train_in_this_process(data, tmp_path / "unbroken")
+    real_train_one_epoch = engine.train_one_epoch
 
-        def sigterm_at_batch_1(*args: object, **kwargs: object) -> float:
-            loader = args[2]
+    def sigterm_at_batch_1(*args: object, **kwargs: object) -> float:
+        loader = args[2]
 
-            class Signalling:  # the loader, sending SIGTERM as it hands out batch 1
-                def __len__(self) -> int:
-                    return len(loader)
+        class Signalling:  # the loader, sending SIGTERM as it hands out batch 1
+            def __len__(self) -> int:
+                return len(loader)
 
-                def __iter__(self) -> Iterator[object]:
-                    for index, batch in enumerate(loader):
-                        if index == 1:
-                            os.kill(os.getpid(), signal.SIGTERM)
-                        yield batch
+            def __iter__(self) -> Iterator[object]:
+                for index, batch in enumerate(loader):
+                    if index == 1:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    yield batch
 
-            return real_train_one_epoch(*args[:2], Signalling(), *args[3:], **kwargs)
+        return real_train_one_epoch(*args[:2], Signalling(), *args[3:], **kwargs)
 
-        monkeypatch.setattr(engine, "train_one_epoch", sigterm_at_batch_1)
-        with pytest.raises(SystemExit) as stopped:
-            train_in_this_process(data, tmp_path / "run")
-        assert stopped.value.code == 143
-        monkeypatch.setattr(engine, "train_one_epoch", real_train_one_epoch)
-        saved = torch.load(tmp_path / "run" / "checkpoint.pth", weights_only=True)
-        assert saved["progress"] == {**saved["progress"], "epoch": 0, "step": 2, "samples_seen": 2 * 3}
-        assert (f"Stopped by SIGTERM at epoch 0, step 2; its checkpoint is {tmp_path / 'run' / 'checkpoint.pth'}; "
-                "go on with --resume auto") in capsys.readouterr().err
-        train_in_this_process(data, tmp_path / "run", "--resume", "auto")
-        assert "at epoch 0, step 2" in capsys.readouterr().out
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    monkeypatch.setattr(engine, "train_one_epoch", sigterm_at_batch_1)
+    with pytest.raises(SystemExit) as stopped:
+        train_in_this_process(data, tmp_path / "run")
+    assert stopped.value.code == 143
+    monkeypatch.setattr(engine, "train_one_epoch", real_train_one_epoch)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pth", weights_only=True)
+    assert saved["progress"] == {**saved["progress"], "epoch": 0, "step": 2, "samples_seen": 2 * 3}
+    assert (f"Stopped by SIGTERM at epoch 0, step 2; its checkpoint is {tmp_path / 'run' / 'checkpoint.pth'}; "
+            "go on with --resume auto") in capsys.readouterr().err
+    train_in_this_process(data, tmp_path / "run", "--resume", "auto")
+    assert "at epoch 0, step 2" in capsys.readouterr().out
     assert weights_differ(tmp_path / "unbroken" / "weights" / "model-0.pth",
                           tmp_path / "run" / "weights" / "model-0.pth") == 0
 

@@ -16,7 +16,8 @@ from conftest import TINY_FLAGS
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import DistContext, single_process
 from multi_train_utils.recorder import RunRecorder
-from utils import IMAGENET_MEAN, IMAGENET_STD
+from multi_train_utils.tensorboard_log import TensorBoardLog
+from multi_train_utils.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
 CLASSES = ["red", "green", "blue"]
@@ -43,14 +44,23 @@ def epoch_metrics(epoch: int) -> dict:
             "confusion_matrix": [[3, 1, 0], [0, 2 + epoch, 1 - epoch // 2], [0, 0, 3]]}
 
 
+def record(recorder: RunRecorder, epochs: int, first_batch: torch.Tensor | None = None) -> None:
+    """What fit does with the recorder and the TensorBoard hook, for `epochs` epochs."""
+    log = TensorBoardLog(recorder)
+    for epoch in range(epochs):
+        log.on_epoch_start(epoch)
+        if first_batch is not None:
+            log.on_first_batch(first_batch, torch.arange(len(first_batch)))
+        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=True)
+        log.on_epoch_end(epoch, epoch_metrics(epoch))
+    log.on_fit_end()
+
+
 def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp_path: Path) -> None:
-    model = nn.Linear(2, 3)
     with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {"lr": 0.01, "model": "resnet18"}) as recorder:
-        recorder.add_batch_grid(normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]), torch.tensor([0, 1, 2]))
-        for epoch in range(3):
-            recorder.end_epoch(model, epoch_metrics(epoch), improved=True)
+        record(recorder, 3, normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]))
     events = read_events(tmp_path)
-    assert set(SCALARS) <= set(events.Tags()["scalars"])
+    assert set(events.Tags()["scalars"]) == set(SCALARS), "every float of the metrics: no list to edit"
     for name in SCALARS:
         points = events.Scalars(name)
         assert [p.step for p in points] == [0, 1, 2], name
@@ -70,8 +80,8 @@ def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     rank1 = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"),
                         distributed=True)
     with RunRecorder(tmp_path / "run", rank1, SPLIT, {}) as recorder:
-        recorder.add_batch_grid(normalised_batch([(255, 0, 0)]), torch.tensor([0]))
-        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=True)
+        record(recorder, 1, normalised_batch([(255, 0, 0)]))
+        recorder.write_checkpoint({"model": {}, "epoch": 0})
     assert not (tmp_path / "run").exists()
 
 
@@ -92,18 +102,12 @@ def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path
     """--save-every 2 --keep-epoch-weights false: the checkpoint after epochs 1, 3 and the last (4),
     best.pth when the accuracy improved, and no model-{epoch}.pth."""
     args = {"save_every": 2, "keep_epoch_weights": False}
-    written = []
-
-    def checkpoint(weights: dict[str, torch.Tensor]) -> dict:
-        written.append(epoch)
-        return {"model": weights, "epoch": epoch}
-
     with RunRecorder(tmp_path, single_process("cpu"), SPLIT, args) as recorder:
+        due = [epoch for epoch in range(5) if recorder.checkpoint_due(epoch, last_epoch=4)]
         for epoch in range(5):
-            due = recorder.checkpoint_due(epoch, last_epoch=4)
-            recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=epoch == 1,
-                               checkpoint=checkpoint if due else None)
-    assert written == [1, 3, 4]
+            recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=epoch == 1)
+        recorder.write_checkpoint({"model": {}, "epoch": due[-1]})
+    assert due == [1, 3, 4]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["best.pth"]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 4
 
@@ -117,6 +121,6 @@ def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Pat
 
 def test_the_tensorboard_hint_quotes_a_path_with_spaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "my runs" / "run 1"
-    with RunRecorder(out, single_process("cpu"), SPLIT, {}):
-        pass
+    with RunRecorder(out, single_process("cpu"), SPLIT, {}) as recorder:
+        TensorBoardLog(recorder).on_fit_end()
     assert f"tensorboard --logdir '{out}'" in capsys.readouterr().out

@@ -11,11 +11,12 @@ from typing import BinaryIO
 import pytest
 import torch
 
-import multi_train_utils.train_eval_utils as engine
+import multi_train_utils.fit as engine
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun, write_image
-from multi_train_utils import checkpoint
+from conftest import REPO, TINY_FLAGS, checkpointer, make_image_folder, python, run, script_env, torchrun, write_image
+from multi_train_utils import checkpoint, files
 from multi_train_utils.cli import parse_args
+from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import UserInputError
 
 RESUME_FLAGS = [*TINY_FLAGS, "--epochs", "3", "--lr", "0.002", "--batch-size", "8"]
@@ -101,8 +102,8 @@ def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match=r"not a checkpoint of this project .*--weights instead"):
         checkpoint.read_checkpoint(tmp_path / "plain.pth")
     with pytest.raises(UserInputError, match=r"--resume .*nothing\.pth: no such file"):
-        checkpoint.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path)
-    assert checkpoint.checkpoint_to_resume("auto", tmp_path) is None
+        checkpoint.read_checkpoint(checkpoint.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
+    assert checkpoint.checkpoint_to_resume("auto", tmp_path / "empty") is None
 
 
 def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path,
@@ -119,41 +120,38 @@ def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path
         checkpoint.checkpoint_to_resume(None, tmp_path)
 
 
-def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Path) -> None:
+def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from model import create_model
-    from multi_train_utils.distributed_utils import DistContext
+    from multi_train_utils.optim import build_optimizer
     from multi_train_utils.step_options import StepOptions
-    from multi_train_utils.train_eval_utils import build_optimizer
 
-    train(data, tmp_path, "--epochs", "2")  # one process, lr 0.002
-    (tmp_path / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
+    train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
+    (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
+    saved = checkpoint.find_saved_run("auto", tmp_path / "run", single_process("cpu"))
+    saved_lr = saved.state["optimizer"]["param_groups"][0]["lr"]
     model = create_model("resnet18", 3)
-    optimizer, scheduler = build_optimizer(model, lr=0.002 * 4, epochs=2)
-    four = DistContext(rank=0, local_rank=0, world_size=4, local_world_size=4, device=torch.device("cpu"),
-                       distributed=False)
-    saved = checkpoint.find_saved_run("auto", tmp_path, four)
-    best_acc = torch.load(tmp_path / "checkpoint.pth", weights_only=True)["best_acc"]
-    assert checkpoint.resume(saved, four, model, optimizer, scheduler, StepOptions()) == (
-        checkpoint.EpochProgress(2), pytest.approx(best_acc))
-    saved = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved["optimizer"]["param_groups"][0]["lr"])
-    assert scheduler.base_lrs == [pytest.approx(0.008)]
+    monkeypatch.setattr(checkpoint, "get_world_size", lambda: 4)
+    with checkpointer(model, build_optimizer(model, lr=0.002 * 4), tmp_path / "four") as four:
+        assert four.resume(saved) == 2 and four.best_acc == pytest.approx(saved.state["best_acc"])
+    assert four.optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved_lr)
+    assert four.scheduler.base_lrs == [pytest.approx(0.008)] * 2
     # The same for a larger optimizer step made of accumulated batches: 2 processes x 3 batches = 6 x 0.002.
-    optimizer, scheduler = build_optimizer(model, lr=0.002 * 6, epochs=2)
-    two = DistContext(rank=0, local_rank=0, world_size=2, local_world_size=2, device=torch.device("cpu"),
-                      distributed=False)
-    checkpoint.resume(checkpoint.find_saved_run("auto", tmp_path, two), two, model, optimizer, scheduler,
-                      StepOptions(accum_steps=3))
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(6 * saved["optimizer"]["param_groups"][0]["lr"])
-    assert scheduler.base_lrs == [pytest.approx(0.012)]
-    train(data, tmp_path, "--epochs", "3", "--resume", "auto")  # the torn line is dropped, not a crash
-    assert [json.loads(line)["epoch"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    monkeypatch.setattr(checkpoint, "get_world_size", lambda: 2)
+    with checkpointer(model, build_optimizer(model, lr=0.002 * 6), tmp_path / "two", StepOptions(accum_steps=3)) as two:
+        two.resume(saved)
+    assert two.optimizer.param_groups[0]["lr"] == pytest.approx(6 * saved_lr)
+    assert two.scheduler.base_lrs == [pytest.approx(0.012)] * 2
+    monkeypatch.undo()
+    train(data, tmp_path / "run", "--epochs", "3", "--resume", "auto")  # the torn line is dropped, not a crash
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["epoch"] for line in lines] == [0, 1, 2]
 
 
 def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "checkpoint.pth"
-    checkpoint.save_atomic({"epoch": 1, "weights": torch.ones(1000)}, path)
+    files.save_atomic({"epoch": 1, "weights": torch.ones(1000)}, path)
 
     def dies_half_way(obj: object, target: BinaryIO) -> None:
         target.write(b"PK\x03\x04 the first bytes")  # what a crash mid-write leaves
@@ -161,7 +159,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path:
 
     monkeypatch.setattr(torch, "save", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_atomic({"epoch": 2, "weights": torch.zeros(1000)}, path)
+        files.save_atomic({"epoch": 2, "weights": torch.zeros(1000)}, path)
     assert torch.load(path, weights_only=True)["epoch"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"], "no temporary file left behind"
 
@@ -171,16 +169,16 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path:
 def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing_half_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception) -> None:
     path = tmp_path / "checkpoint.pth"
-    checkpoint.save_atomic({"epoch": 1}, path)
+    files.save_atomic({"epoch": 1}, path)
 
     def disk_full(obj: object, target: BinaryIO) -> None:
         target.write(b"as much as fitted")
         raise failure
 
     monkeypatch.setattr(torch, "save", disk_full)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
     with pytest.raises(UserInputError, match=f"^cannot write {path}: the disk is full"):
-        checkpoint.save_atomic({"epoch": 2}, path)
+        files.save_atomic({"epoch": 2}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
     assert torch.load(path, weights_only=True)["epoch"] == 1
 
@@ -193,11 +191,11 @@ def test_two_writers_of_one_file_never_share_a_temporary_file(tmp_path: Path, mo
 
     def save_while_another_run_saves(obj: dict, target: BinaryIO) -> None:
         if obj["run"] == "first":
-            checkpoint.save_atomic({"run": "second"}, path)
+            files.save_atomic({"run": "second"}, path)
         real_save(obj, target)
 
     monkeypatch.setattr(torch, "save", save_while_another_run_saves)
-    checkpoint.save_atomic({"run": "first"}, path)
+    files.save_atomic({"run": "first"}, path)
     assert torch.load(path, weights_only=True) == {"run": "first"}
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
 

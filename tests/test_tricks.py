@@ -11,15 +11,17 @@ import ddp_workers
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import free_port
-from multi_train_utils import distributed_utils
+from multi_train_utils import distributed_utils, shutdown
 from multi_train_utils.cli import parse_args
 from multi_train_utils.confusion import confusion_image, count_confusion, per_class
-from multi_train_utils.ema import ModelEma, build_ema, ema_decay_per_step
+from multi_train_utils.ema import ModelEma, ema_decay_per_step
 from multi_train_utils.errors import UserInputError
+from multi_train_utils.optim import align_schedule, build_optimizer, build_scheduler, cosine, warmup_then
 from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import align_schedule, build_optimizer, cosine_with_warmup
+from multi_train_utils.train_eval_utils import train_one_epoch
 
 
 def test_the_ema_is_the_hand_computed_average_of_the_weights_after_each_step() -> None:
@@ -51,50 +53,62 @@ def test_the_ema_and_its_best_accuracy_are_restored_from_a_checkpoint() -> None:
         model.weight.add_(1.0)
     ema.update(model)
     ema.best_acc = 0.75
-    saved = {"ema": ema.state_dict()}
-    restored = build_ema(nn.Linear(2, 1), True, 0.5, 1, saved)
+    restored = ModelEma(nn.Linear(2, 1), 0.5, 1)
+    restored.load_state_dict(ema.state_dict())
     assert torch.equal(restored.model.weight, ema.model.weight) and restored.best_acc == 0.75
     assert restored.averaged.n_averaged.item() == 2, "the next update averages, instead of copying again"
-    assert build_ema(model, False, 0.5, 1) is None
+    assert ModelEma.from_args({"model_ema": False}, None, None, None) is None
+
+
+def one_step(options: StepOptions, logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """One optimizer step of the training loop (plain SGD, lr 1) on a model that passes `logits` through its
+    weights: (the loss the loop reports, the change the step made to the weights)."""
+    model = nn.Linear(logits.shape[1], logits.shape[1])
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(logits.shape[1]))
+        model.bias.zero_()
+    before = model.weight.detach().clone()
+    loader = DataLoader(TensorDataset(logits, labels), batch_size=len(labels))
+    loss = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), loader, torch.device("cpu"), 0,
+                           options=options)
+    return loss, before - model.weight.detach()
+
+
+LOGITS, LABELS = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 1])
 
 
 def test_label_smoothing_is_the_formula_of_its_paper() -> None:
     """Szegedy et al. 2016: the target is 1 - s on the true class plus s/K on each of the K classes."""
-    logits, labels = torch.randn(5, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 1])
     smoothing = 0.2
-    log_p = logits.log_softmax(dim=1)
-    target = torch.full_like(log_p, smoothing / 4) + (1 - smoothing) * nn.functional.one_hot(labels, 4)
+    log_p = LOGITS.log_softmax(dim=1)
+    target = torch.full_like(log_p, smoothing / 4) + (1 - smoothing) * nn.functional.one_hot(LABELS, 4)
     expected = -(target * log_p).sum(dim=1).mean()
-    assert StepOptions(label_smoothing=smoothing).loss_function()(logits, labels) == pytest.approx(expected.item())
-    plain = StepOptions().loss_function()(logits, labels)
-    assert plain == pytest.approx(nn.functional.cross_entropy(logits, labels).item())
-
-
-def gradient_step(options: StepOptions, gradient: torch.Tensor) -> torch.Tensor:
-    """The change one optimizer step (plain SGD, lr 1) makes to a weight whose loss has `gradient`."""
-    weight = nn.Parameter(torch.zeros_like(gradient))
-    optimizer = torch.optim.SGD([weight], lr=1.0)
-    options.scaler.scale((weight * gradient).sum()).backward()
-    options.optimizer_step(nn.ParameterList([weight]), optimizer)
-    return -weight.detach()
+    assert one_step(StepOptions(label_smoothing=smoothing), LOGITS, LABELS)[0] == pytest.approx(expected.item())
+    plain = one_step(StepOptions(), LOGITS, LABELS)[0]
+    assert plain == pytest.approx(nn.functional.cross_entropy(LOGITS, LABELS).item())
 
 
 def test_clipping_scales_the_gradients_down_to_the_norm_and_leaves_small_ones() -> None:
-    gradient = torch.tensor([3.0, 4.0])  # norm 5
-    assert torch.allclose(gradient_step(StepOptions(clip_grad_norm=1.0), gradient), gradient / 5, atol=1e-6)
-    assert torch.equal(gradient_step(StepOptions(clip_grad_norm=10.0), gradient), gradient)
-    assert torch.equal(gradient_step(StepOptions(), gradient), gradient)
+    _, step = one_step(StepOptions(), LOGITS, LABELS)  # lr 1: the step is the gradient of the weight
+    bias_step = one_step(StepOptions(), LOGITS, LABELS)  # the same again: the loop is deterministic
+    assert torch.equal(step, bias_step[1])
+    norm = torch.linalg.vector_norm(step)  # of the weight alone; the bias adds to the norm clipping sees
+    _, clipped = one_step(StepOptions(clip_grad_norm=norm.item() / 10), LOGITS, LABELS)
+    assert torch.linalg.vector_norm(clipped) < norm / 9, "scaled down to the limit"
+    assert torch.allclose(clipped / torch.linalg.vector_norm(clipped), step / norm, atol=1e-5), "same direction"
+    assert torch.equal(one_step(StepOptions(clip_grad_norm=100.0), LOGITS, LABELS)[1], step), "small ones pass"
 
 
 def test_loss_scaled_gradients_are_unscaled_before_clipping() -> None:
     """fp16's loss scale multiplies the gradients by 1024 here: clipped as they are, every step would be cut
     to the limit; unscaled first, a small gradient passes whole."""
-    scaled = StepOptions(clip_grad_norm=10.0, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    assert torch.allclose(gradient_step(scaled, torch.tensor([3.0, 4.0])), torch.tensor([3.0, 4.0]))
+    _, step = one_step(StepOptions(), LOGITS, LABELS)
+    scaled = StepOptions(clip_grad_norm=100.0, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert torch.allclose(one_step(scaled, LOGITS, LABELS)[1], step, atol=1e-6)
 
 
 def test_the_warmup_rises_every_optimizer_step() -> None:
-    factor = cosine_with_warmup(epochs=3, lrf=0.1, warmup_epochs=1, steps_per_epoch=4)
+    factor = warmup_then(cosine, 0.1, warmup_steps=4, total_steps=12)
     assert [factor(step) for step in range(5)] == [0.2, 0.4, 0.6, 0.8, 1.0]
     assert factor(12) == pytest.approx(0.1)
     assert math.isclose(factor(8), 0.55), "the cosine, too, is per step: half way at step 4 + 8/2"
@@ -102,8 +116,8 @@ def test_the_warmup_rises_every_optimizer_step() -> None:
 
 def test_a_resumed_schedule_is_put_at_this_runs_step() -> None:
     """Resumed with half the processes, an epoch takes twice the steps: epoch 1 starts at step 8, not 4."""
-    optimizer, scheduler = build_optimizer(ddp_workers.small_net(), lr=1.0, epochs=4, warmup_epochs=1,
-                                           steps_per_epoch=8)
+    optimizer = build_optimizer(ddp_workers.small_net(), lr=1.0)
+    scheduler = build_scheduler(optimizer, epochs=4, steps_per_epoch=8, warmup_epochs=1)
     scheduler.last_epoch = 4
     align_schedule(scheduler, 8)
     assert scheduler.last_epoch == 8 and optimizer.param_groups[0]["lr"] == 1.0
@@ -131,9 +145,8 @@ def test_the_confusion_matrix_counts_true_rows_and_predicted_columns() -> None:
 ])
 def test_trick_flags_out_of_range_are_one_line(argv: list[str], message: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(UserInputError, match=f"^argument {argv[0]}: .*{message}"):
         parse_args("single", argv)
-    assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_mps_is_for_one_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,9 +157,8 @@ def test_mps_is_for_one_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     assert distributed_utils.resolve_device("mps", 0, distributed=False) == torch.device("mps")
     assert parse_args("single", ["--device", "mps"]).device == "mps"
     for launcher in ("launch", "spawn"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UserInputError, match="DistributedDataParallel has no backend for Apple GPUs"):
             parse_args(launcher, ["--device", "mps"])
-        assert "DistributedDataParallel has no backend for Apple GPUs" in capsys.readouterr().err
 
 
 def test_windows_takes_gloo_and_a_store_without_libuv(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,7 +173,7 @@ def test_windows_takes_gloo_and_a_store_without_libuv(monkeypatch: pytest.Monkey
     monkeypatch.delenv("USE_LIBUV", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setattr(distributed_utils, "stop_when_launcher_dies", lambda: None)
+    monkeypatch.setattr(shutdown, "stop_when_launcher_dies", lambda: None)
     ctx = distributed_utils.init_distributed_mode("cpu", spawn_rank=0, spawn_world_size=1)
     try:
         assert os.environ["USE_LIBUV"] == "0" and torch.distributed.get_backend() == "gloo"

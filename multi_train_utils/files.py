@@ -1,0 +1,138 @@
+"""Writing and reading the .pth files a run keeps: never half a file, and one line naming the file when it
+cannot be written or read."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, TextIO
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+import torch
+
+from .errors import UserInputError
+
+PARTIAL_SUFFIX = ".partial"
+LOCK_NAME = ".lock"
+LOW_DISK_BYTES = 64 * 2**20
+
+
+def save_atomic(obj: object, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file, and
+    two processes writing the same name never share a temporary file. A write that fails (a full disk)
+    removes its temporary file, so that it does not keep the disk full, and ends in one line."""
+    handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
+    try:
+        os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp's file is private; a saved file is not
+        with os.fdopen(handle, "wb") as file:
+            torch.save(obj, file)
+        os.replace(scratch, path)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+        if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}; the files "
+                                 "written before it are kept") from None
+        raise
+
+
+def remove_partial_files(folder: Path) -> None:
+    """Delete the temporary files of writes that a killed run (SIGKILL, a power cut) left unfinished: each
+    may be as large as a checkpoint. Called by the run that holds the folder's lock, so none is in use."""
+    for partial in [*folder.glob(f".*{PARTIAL_SUFFIX}"), *folder.glob(f"*/.*{PARTIAL_SUFFIX}")]:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def why_a_write_failed(err: BaseException, folder: Path) -> str:
+    """A full disk in words: torch.save says "basic_ios::clear: iostream error", which nobody reads as that."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full (or the disk quota used up)"
+    free = shutil.disk_usage(folder).free
+    if free < LOW_DISK_BYTES:
+        return f"the disk is full ({free / 2**20:.1f} MB free)"
+    return err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+
+
+def check_readable_file(path: Path, flag: str) -> None:
+    """That `path` is a regular file with something in it, or one line saying what it is instead."""
+    if not path.exists():
+        raise UserInputError(f"{flag} {path}: no such file")
+    if path.is_dir():
+        raise UserInputError(f"{flag} {path}: is a folder; name the .pth file inside it")
+    if not path.is_file():
+        raise UserInputError(f"{flag} {path}: not a regular file (a device, a pipe or a socket)")
+    if path.stat().st_size == 0:
+        raise UserInputError(f"{flag} {path}: is empty (0 bytes), perhaps a copy or download that broke off")
+
+
+def load_file(path: Path, flag: str) -> Any:
+    """torch.load of a file the user named, restricted to tensors and plain data (`weights_only`: a .pth file
+    is a pickle, and unpickling an untrusted one can run any code); a file that is not such a file ends in
+    one line of our own words, naming the flag and the file."""
+    check_readable_file(path, flag)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" not in str(err):
+            raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
+                                 ) from None
+        raise UserInputError(f"{flag} {path}: holds Python objects besides tensors, which are not loaded because "
+                             "loading them could run any code; save a state_dict of tensors instead") from None
+    except Exception:
+        raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
+                             ) from None
+
+
+def lock_holder(lock: TextIO) -> str | None:
+    """Who holds the lock on `lock` (process and host, as it wrote them), or None if nobody does."""
+    if fcntl is None:
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        return lock.read().strip() or "unknown"
+    return None
+
+
+def refuse_a_folder_in_use(folder: Path) -> None:
+    """Stop at once if another run is writing to `folder` (it holds the folder's lock)."""
+    with contextlib.suppress(OSError), open(folder / LOCK_NAME) as lock:
+        holder = lock_holder(lock)
+        if holder:
+            raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let "
+                                 "it finish, or choose another --output-dir")
+
+
+def claim_folder(folder: Path) -> TextIO:
+    """Lock `folder` for this run's life: a second run into it stops at once, instead of both writing the
+    same files. The system releases the lock when the returned file is closed or the process ends,
+    however it ends. (No lock on Windows, which has no flock.)"""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the run's life
+    holder = lock_holder(lock)
+    if holder:
+        lock.close()
+        raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let it "
+                             "finish, or choose another --output-dir")
+    lock.truncate(0)
+    lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock

@@ -1,0 +1,102 @@
+"""The optimizer and the learning-rate schedule, chosen separately by flag (--opt, --sched, --warmup-epochs).
+
+Add your own: one entry in OPTIMIZERS or SCHEDULES, and its name is a choice of the flag.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# name -> (the optimizer class, its own arguments, its default --weight-decay)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], float]] = {
+    "sgd": (torch.optim.SGD, {"momentum": 0.9}, 5e-3),  # the tutorial's
+    "adamw": (torch.optim.AdamW, {}, 0.05),
+}
+
+
+def cosine(progress: float, lrf: float) -> float:
+    """From 1 down to `lrf` along half a cosine (Bag of Tricks, arXiv:1812.01187)."""
+    return ((1 + math.cos(progress * math.pi)) / 2) * (1 - lrf) + lrf
+
+
+def step(progress: float, lrf: float) -> float:
+    """A tenth as large after each third of training (lrf is not used)."""
+    return 0.1 ** min(2, math.floor(progress * 3))
+
+
+def constant(progress: float, lrf: float) -> float:
+    return 1.0
+
+
+# name -> the factor of the base lr at `progress` (0 at the end of the warm-up, 1 at the end of training)
+SCHEDULES: dict[str, Callable[[float, float], float]] = {"cosine": cosine, "step": step, "constant": constant}
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """The trainable parameters in two groups: weight decay for the weights of convolutions and linear layers,
+    none for biases and normalisation layers (1-D tensors), which it would only pull towards zero."""
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    decayed = [param for param in trainable if param.ndim > 1]
+    plain = [param for param in trainable if param.ndim <= 1]
+    groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.001,
+                    weight_decay: float | None = None) -> torch.optim.Optimizer:
+    """--opt over the trainable parameters, with --weight-decay (the optimizer's own default if None)."""
+    optimizer_class, arguments, default_decay = OPTIMIZERS[name]
+    groups = parameter_groups(model, default_decay if weight_decay is None else weight_decay)
+    # fused on CUDA: one kernel for all parameters, and GradScaler then checks for overflow on the GPU
+    # instead of waiting for it on the host every step.
+    return optimizer_class(groups, lr=lr, fused=groups[0]["params"][0].is_cuda, **arguments)
+
+
+def warmup_then(schedule: Callable[[float, float], float], lrf: float, warmup_steps: int,
+                total_steps: int) -> Callable[[int], float]:
+    """The factor of the base lr at each optimizer step: a linear warm-up over `warmup_steps`, then
+    `schedule` over the rest. Per step, not per epoch: a one-epoch warm-up rises in as many small steps as
+    the epoch has, instead of starting the epoch at half the lr and jumping to the whole of it."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return schedule((step - warmup_steps) / max(1, total_steps - warmup_steps), lrf)
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, name: str = "cosine", epochs: int = 1,
+                    steps_per_epoch: int = 1, warmup_epochs: int = 0, lrf: float = 0.1,
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    """--sched after --warmup-epochs, stepped after every optimizer step."""
+    factor = warmup_then(SCHEDULES[name], lrf, warmup_epochs * steps_per_epoch, epochs * steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def optimizer_steps_per_epoch(batches: int, accum_steps: int = 1) -> int:
+    """Optimizer steps in an epoch of `batches` batches: the last step may gather fewer than accum_steps."""
+    return math.ceil(batches / accum_steps)
+
+
+def scheduled_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> float:
+    """The lr of the first parameter group at optimizer step `step` (of a LambdaLR; else its lr now)."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return scheduler.get_last_lr()[0]
+    return scheduler.base_lrs[0] * scheduler.lr_lambdas[0](step)
+
+
+def align_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
+    """Put a per-step schedule at optimizer step `step`. A run resumed with other processes or batches
+    takes another number of steps per epoch than the run that saved the schedule's step count."""
+    if scheduler.last_epoch == step or not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    scheduler.last_epoch = step
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                   strict=True):
+        group["lr"] = base * factor(step)

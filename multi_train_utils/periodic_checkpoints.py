@@ -1,0 +1,42 @@
+"""--checkpoint-every-steps and --checkpoint-every-minutes: checkpoints inside an epoch as well, so that a run
+stopped without warning (a lost machine, a kill) loses at most that much training."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from .checkpoint import Checkpointer, SavedRun
+from .distributed_utils import agree, cpu_side_group, is_main_process
+from .hooks import Hook, StepEnd
+
+
+class PeriodicCheckpoints(Hook):
+    """Writes the checkpoint after every `every_steps` optimizer steps, counted over the whole run, and at the
+    first step `every_minutes` after the last checkpoint, by rank 0's clock (each rank's own would disagree by
+    a step now and then; the ranks agree on rank 0's answer)."""
+
+    def __init__(self, checkpoints: Checkpointer, every_steps: int | None = None, every_minutes: float | None = None,
+                 timeout_s: float = 900.0) -> None:
+        self.checkpoints, self.every_steps = checkpoints, every_steps
+        self.every_s = every_minutes * 60 if every_minutes else None
+        self.group = cpu_side_group(timeout_s) if every_minutes else None
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, saved: SavedRun,
+                  val_loader: DataLoader) -> PeriodicCheckpoints | None:
+        steps, minutes = args.get("checkpoint_every_steps"), args.get("checkpoint_every_minutes")
+        return cls(checkpoints, steps, minutes, args.get("dist_timeout", 900.0)) if steps or minutes else None
+
+    def on_step_end(self, step: StepEnd) -> None:
+        run_step = step.epoch * self.checkpoints.steps_per_epoch + self.checkpoints.step_in_epoch(step)
+        by_steps = bool(self.every_steps) and run_step % self.every_steps == 0
+        if by_steps or self.minutes_passed():
+            self.checkpoints.save_at(step)
+
+    def minutes_passed(self) -> bool:
+        if not self.every_s:
+            return False
+        return agree(is_main_process() and time.monotonic() - self.checkpoints.saved_at >= self.every_s, self.group)

@@ -1,0 +1,213 @@
+"""Ending every process of a job together: one line that says why, from one process; the same exit code from
+all of them; no process left waiting for a partner or training on alone.
+
+`end_run` is the one place where a run that did not finish ends, in every process of every launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+import torch.distributed as dist
+
+from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
+from .errors import Preempted, QuietExit, Terminated, UserInputError, exit_code, one_line, report
+
+# SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
+# scheduler sends last.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+# How long a failing process asks the process group's key-value store before it gives up on it (not the
+# --dist-timeout of the collectives: the store's host may be gone with the rest of the job).
+STORE_TIMEOUT_S = 5.0
+QUIET_EXIT_DELAY_S = 2.0
+LAUNCHER_POLL_S = 1.0
+KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
+
+
+class _Ending:
+    under_way = False  # a stop or a failure is being handled: later stop signals change nothing
+    store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
+
+
+def stop_now(signum: int, frame: object = None) -> None:
+    """What a stop signal does outside the training steps: end the process through an exception, once."""
+    if _Ending.under_way:
+        return  # schedulers and impatient users signal twice: the stop is already under way
+    _Ending.under_way = True
+    raise Terminated(signal.Signals(signum).name)
+
+
+def listen_for_stop_signals() -> None:
+    """A stop signal ends the process through an exception, so that every `finally` runs (the process group
+    is left, the port freed, the loader workers stopped); with preemption.py attached, training waits for
+    its next step instead."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop_now)
+
+
+def ending_under_way() -> bool:
+    return _Ending.under_way
+
+
+def absorb_later_signals() -> None:
+    """While this process ends, a second stop signal is absorbed, and a second Ctrl-C ends it at once,
+    silently: neither may interrupt the clean-up with a traceback."""
+    _Ending.under_way = True
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signal.SIGINT))
+
+
+def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> NoReturn:
+    """End this process after `err`: rank 0 explains, the others end quietly.
+
+    Once the processes are connected, the one that explains is the first to stop (a mistake found by rank 1
+    alone is rank 1's to tell); the others then fail too ("connection closed by peer") and end with the
+    same exit code and no word. A stop signal or Ctrl-C reached every process, so rank 0 tells it. A stop
+    at a step (Preempted) leaves the group as a finished run does, once rank 0 has written its checkpoint.
+    Our own bugs keep their traceback.
+    """
+    absorb_later_signals()
+    if isinstance(err, QuietExit):  # already said, by another process or by this one
+        cleanup(failed=True)
+        raise err
+    if isinstance(err, Preempted):
+        barrier()  # rank 0 has written the checkpoint and said so
+        cleanup()
+        raise QuietExit(err.code)
+    signalled = isinstance(err, (KeyboardInterrupt, Terminated))
+    reason = err if signalled else stalled_rank_error(err, rank) or err
+    explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
+    cleanup(failed=True)
+    code = exit_code(reason)
+    if not explains:
+        exit_quietly(code)
+    if signalled:
+        report(stopped_line(reason, checkpoint))
+    elif isinstance(reason, UserInputError):
+        report(f"error: {one_line(reason)}")
+    elif not isinstance(reason, SystemExit):
+        report(f"rank {rank} failed:\n{''.join(traceback.format_exception(reason)).rstrip()}")
+    raise QuietExit(code) from None
+
+
+def stopped_line(stop: BaseException, checkpoint: Path | None) -> str:
+    """What a run stopped at once (Ctrl-C, or a signal outside the training steps) says."""
+    cause = stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"
+    if checkpoint is not None and checkpoint.is_file():
+        return f"Stopped by {cause}; the last checkpoint written, {checkpoint}, is kept; go on with --resume auto"
+    return f"Stopped by {cause} before any checkpoint was written"
+
+
+def exit_quietly(code: int) -> NoReturn:
+    """End this process without a word, a moment later: a launcher such as torchrun stops every process
+    once one has ended, and the process that explains why must have had time to say so first. A stop
+    from the launcher meanwhile ends it as quietly."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise QuietExit(code)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    time.sleep(QUIET_EXIT_DELAY_S)
+    raise QuietExit(code)
+
+
+def default_store() -> dist.Store | None:
+    """The process group's key-value store, with a short time-out, or None where it is gone (its host ended:
+    under torchrun the agent, else rank 0). Once gone it is not asked again: every failed call makes PyTorch
+    print a page of C++ frames."""
+    if _Ending.store_gone or not is_dist_avail_and_initialized():
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    except Exception:
+        _Ending.store_gone = True
+        return None
+    return store
+
+
+def first_to_stop() -> bool:
+    """Whether this is the first process of the job to stop, counted in the process group's key-value
+    store. A store that no longer answers was kept by a process that has stopped already."""
+    store = default_store()
+    try:
+        return store is not None and store.add("processes_stopped", 1) == 1
+    except Exception:
+        _Ending.store_gone = True
+        return False
+
+
+def another_process_failed() -> bool:
+    """Whether a process of the job has already stopped on an error (first_to_stop counted it), or the
+    store that counts them is gone."""
+    if not is_dist_avail_and_initialized():
+        return False
+    store = default_store()
+    try:
+        return store is None or store.check(["processes_stopped"])
+    except Exception:
+        _Ending.store_gone = True
+        return True
+
+
+class StalledRankError(UserInputError):
+    """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
+
+
+def stalled_rank_error(err: BaseException, rank: int, settle_s: float = 2.0) -> StalledRankError | None:
+    """If `err` is a collective's time-out, the one-line error naming the ranks that stopped answering.
+
+    Every rank still alive is stuck in the same collective and times out at about the same moment; each
+    marks itself in the process group's key-value store, waits a moment for the others, and names the
+    ranks that never marked themselves (hung in a data loader, a deadlock, a stopped machine). With
+    NCCL, PyTorch's own watchdog ends the processes on a time-out and names the collective instead.
+    """
+    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
+    if not (isinstance(err, RuntimeError) and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
+        return None
+    store = default_store()
+    if store is None:
+        return None
+    try:
+        store.set(f"timed_out/{rank}", "1")
+        time.sleep(settle_s)
+        silent = [other for other in range(dist.get_world_size()) if not store.check([f"timed_out/{other}"])]
+    except Exception:  # the store's host (rank 0) is gone too: nothing to name, the original error stands
+        _Ending.store_gone = True
+        return None
+    return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
+                            f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
+                            "answering")
+
+
+def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = KILL_AFTER_S) -> None:
+    """Stop this process within seconds if the process that started it dies.
+
+    A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop its workers, which the system
+    hands to another parent and which would then train on, and write, alone. A watching thread sees the
+    parent change and sends this process SIGTERM: the usual clean stop. The store that torchrun's agent kept
+    went with it, and is not asked again. SIGKILL follows if the stop cannot run (a main thread stuck
+    waiting for a GPU).
+    """
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            _Ending.store_gone = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(kill_after_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
