@@ -119,6 +119,11 @@ def decode_batch(batch: EncodedBatch, device: torch.device) -> list[torch.Tensor
     images = [item.view(*shape).to(device, non_blocking=True) if shape != [0, 0, 0] else None
               for item, shape in zip(items, shapes, strict=True)]
     if encoded:
+        if device.type == "cuda":
+            # torchvision decodes on a stream of its own into memory taken from this stream, without waiting
+            # for the work queued here: memory freed by that work, which it has yet to read, can be overwritten
+            # (pytorch/vision PR 9606). Its stream is waited for after the decode; ours must be before it.
+            torch.cuda.current_stream(device).synchronize()
         decoded = decode_jpeg([items[i] for i in encoded], mode=ImageReadMode.RGB, device=device)
         for i, image in zip(encoded, decoded, strict=True):
             images[i] = image

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import REPO, make_image_folder, python, run
+from conftest import REPO, make_image_folder
 
 REQUIRED_KEYS = {"single_images_per_s", "ddp_images_per_s", "nosync_images_per_s", "world_size", "scaling_efficiency",
                  "comm_overhead", "pipeline_ratio", "time_to_first_step_s", "peak_memory_mb", "workload"}
@@ -29,7 +29,6 @@ def load_script(name: str) -> ModuleType:
 
 benchmark = load_script("benchmark")
 plot_benchmark = load_script("plot_benchmark")
-gpu_check = load_script("gpu_check")
 
 
 def bench_args(**overrides: object) -> argparse.Namespace:
@@ -129,26 +128,6 @@ def test_a_file_that_is_not_a_result_is_one_line_naming_it(tmp_path: Path) -> No
     wrong.write_text('{"epoch": 0}')
     with pytest.raises(SystemExit, match=r"^error: .*metrics\.json: not a benchmark result"):
         plot_benchmark.read_results(wrong)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
-def test_the_gpu_check_says_in_one_line_that_there_is_no_gpu(tmp_path: Path) -> None:
-    result = run([python(), str(REPO / "bench" / "gpu_check.py"), "--output", str(tmp_path / "gpu.json")], timeout=120)
-    assert result.returncode == 0
-    assert result.stdout.splitlines() == [
-        "gpu_check: no CUDA GPU is visible here, so there is nothing to check; run it on a GPU machine"]
-    assert not (tmp_path / "gpu.json").exists()
-
-
-def test_the_gpu_check_counts_the_tests_of_a_junit_report(tmp_path: Path) -> None:
-    report = tmp_path / "tests.xml"
-    report.write_text('''<testsuites><testsuite name="pytest">
-        <testcase classname="t" name="test_a"/><testcase classname="t" name="test_b"><failure message="x"/></testcase>
-        <testcase classname="t" name="test_c"><skipped message="needs 2 CUDA GPUs"/></testcase>
-        <testcase classname="t" name="test_d"><error message="fixture"/></testcase>
-    </testsuite></testsuites>''')
-    assert gpu_check.count_results(report) == {"passed": 1, "failed": 2, "skipped": 1,
-                                               "failures": ["test_b", "test_d"]}
 
 
 def test_the_image_folder_alone_is_summarised_without_the_synthetic_figures() -> None:
