@@ -80,6 +80,10 @@ def run(cmd: list[str], timeout: float = 180, cwd: Path | None = None, env: dict
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{' '.join(cmd)} ran past {timeout} s\n{stdout}\n{stderr}") from None
+    except BaseException:  # pytest-timeout, Ctrl-C: the command's processes end with the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
