@@ -63,9 +63,8 @@ def load_datasets(data_path: str | None, image_size: int, ctx: DistContext, num_
     print_main(f"{path}: {split.num_classes} classes, {len(split.train_images_path)} images for training, "
                f"{len(split.val_images_path)} for validation")
     train_tf, val_tf = build_transforms(image_size)
-    train = gpu_training_set(split, image_size, ctx.device) if decode_on == "gpu" else None
-    if train is None:
-        train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
+    train = gpu_training_set(split, image_size, ctx.device, decode_on) or train  # gpu_decode.py: --decode-on gpu
     val = MyDataSet(split.val_images_path, split.val_images_label, val_tf)
     return DataSets(train, val, split.to_record(data_root(path)))
 

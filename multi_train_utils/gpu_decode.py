@@ -90,8 +90,12 @@ class EncodedImages(MyDataSet):
         return functools.partial(collate_encoded, image_size=self.image_size)
 
 
-def gpu_training_set(split: SplitData, image_size: int, device: torch.device) -> EncodedImages | None:
-    """The training images for --decode-on gpu, or None where it cannot run here (said in one line)."""
+def gpu_training_set(split: SplitData, image_size: int, device: torch.device,
+                     decode_on: str = "gpu") -> EncodedImages | None:
+    """The training images for --decode-on gpu; None for --decode-on cpu, or where the GPU cannot decode them
+    (said in one line)."""
+    if decode_on != "gpu":
+        return None
     if device.type != "cuda":
         print_main(f"--decode-on gpu: training on {device.type}, so the loader workers decode the images")
         return None

@@ -5,6 +5,7 @@ Add your own: one entry in OPTIMIZERS or SCHEDULES, and its name is a choice of 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -52,9 +53,11 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.001,
     """--opt over the trainable parameters, with --weight-decay (the optimizer's own default if None)."""
     optimizer_class, arguments, default_decay = OPTIMIZERS[name]
     groups = parameter_groups(model, default_decay if weight_decay is None else weight_decay)
-    # fused on CUDA: one kernel for all parameters, and GradScaler then checks for overflow on the GPU
-    # instead of waiting for it on the host every step.
-    return optimizer_class(groups, lr=lr, fused=groups[0]["params"][0].is_cuda, **arguments)
+    # fused on CUDA, where the optimizer has it: one kernel for all parameters, and GradScaler then checks for
+    # overflow on the GPU instead of waiting for it on the host every step.
+    if groups[0]["params"][0].is_cuda and "fused" in inspect.signature(optimizer_class).parameters:
+        arguments = {**arguments, "fused": True}
+    return optimizer_class(groups, lr=lr, **arguments)
 
 
 def warmup_then(schedule: Callable[[float, float], float], lrf: float, warmup_steps: int,
