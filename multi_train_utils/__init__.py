@@ -6,13 +6,15 @@ data) does not load the whole engine, which itself imports those modules.
 
 Each module has one concern, named for it:
   the loops          train_eval_utils (train_one_epoch, evaluate), fit (the epochs), hooks (the extension point)
+  the step           step_options (precision, memory format, accumulation), optim (optimizer, schedule),
+                     ddp (the wrapper), divergence (a loss gone NaN stops every rank)
   process set-up     launch (who started this process), distributed_utils (the process group, rank helpers),
-                     spawn_utils (the spawn script's processes), shutdown (ending every process together)
-  data               data (split, datasets, samplers, loaders), loader_workers, transforms, pictures
-  the step           step_options (precision, memory format, accumulation), optim (optimizer, schedule), ddp
-  a run's files      checkpoint (resume, checkpoints), recorder (metrics, weights), files (atomic writes, loads)
-  flags              cli; errors (the ways a run ends, in one line); divergence (a NaN loss)
-  optional features  features lists them: ema, preemption, periodic_checkpoints, tensorboard_log; gpu_decode
+                     spawn_utils (the spawn script's processes), shutdown (how every process of a job ends)
+  data               data (split, datasets, samplers, loaders), loader_workers, transforms
+  a run's files      checkpoint (what resumes a run), recorder (what a run writes), files (writes never left
+                     half done, loads that name the file), confusion and pictures (what validation draws)
+  flags              cli; errors (the ways a run ends early, in one line)
+  optional features  features lists them: ema, preemption, periodic_checkpoints, tensorboard_log; and gpu_decode
 """
 
 import importlib

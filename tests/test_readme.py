@@ -1,14 +1,17 @@
-"""The README, checked as a newcomer would use it: its commands run, its examples print what it says, its
-links to our code point at the line they name, its diffs are the scripts' real lines, its pictures exist.
+"""The README and the pages of docs/, checked as a newcomer would use them: their commands run, their
+examples print what they say, their links to our code point at the line they name, their diffs are the
+scripts' real lines, their pictures exist.
 
-A README whose commands rot fails here: each command of a ```bash block runs as written, in README order
-and in one scratch folder (so a later command finds what an earlier one wrote), with the tiny sizes of
-TINY_OVERRIDES appended (later flags win in argparse). Commands that cannot run here are listed in
-NOT_RUN with the reason; any other command that is not understood fails the test.
+A page whose commands rot fails here: each command of a ```bash block runs as written, README first, then
+the pages of docs/ by name, in one scratch folder (so a later command finds what an earlier one wrote), with
+the tiny sizes of TINY_OVERRIDES appended (later flags win in argparse). Commands that cannot run here are
+listed in NOT_RUN with the reason; any other command that is not understood fails the test. The recipes of
+the README's "Change it" are run by test_change_it.py, each on a copy with its change applied.
 """
 
 from __future__ import annotations
 
+import argparse
 import doctest
 import re
 import shlex
@@ -20,13 +23,19 @@ import pytest
 from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, run, script_env
 
 README = REPO / "README.md"
-TEXT = README.read_text()
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+TEXTS = {page: page.read_text() for page in PAGES}
+TEXT = TEXTS[README]
+CHANGE_IT = re.search(r"^## Change it\n(.*?)^## ", TEXT, flags=re.DOTALL | re.MULTILINE).group(1)
+MAX_README_WORDS = 5000
 
 # Commands not run here, matched against the command as written, and why. Keep this list short and honest.
 NOT_RUN = [
     (r"^python3 -m venv |^\. \.venv/bin/activate$|^pip install",
      "set-up: makes a venv and downloads packages (test_the_test_command_is_what_ci_runs checks it)"),
     (r"^ruff check", "CI runs it itself, in .ci/run"),
+    (r"^rm |--model mycnn|photos\.csv|--opt rmsprop|runs/top5",
+     "a recipe of Change it: test_change_it.py runs it on a copy with its change applied"),
     (r"^python -m pytest", "the test suite itself"),
     (r"^CUDA_VISIBLE_DEVICES=", "needs two GPUs"),
     (r"--syncBN|--prefix syncbn_", "the SyncBN comparison needs GPUs: PyTorch's SyncBatchNorm refuses CPU modules"),
@@ -58,18 +67,23 @@ DEMO_IMAGES = "data/demo_patterns"
 COMMAND_TIMEOUT_S = 150
 
 
-def fenced_blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", TEXT, flags=re.DOTALL | re.MULTILINE)
+def fenced_blocks(language: str, text: str = TEXT) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def commands_of(block: str) -> list[str]:
+    """The commands of a bash block: continuation lines joined, comment lines dropped, && split."""
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            commands += [" ".join(part.split()) for part in line.split("&&")]
+    return commands
 
 
 def readme_commands() -> list[str]:
-    """Every command of every bash block: continuation lines joined, comment lines dropped, && split."""
-    commands = []
-    for block in fenced_blocks("bash"):
-        for line in block.replace("\\\n", " ").splitlines():
-            if line.strip() and not line.lstrip().startswith("#"):
-                commands += [" ".join(part.split()) for part in line.split("&&")]
-    return commands
+    """Every command of every page's bash blocks but batch scripts (test_slurm.py runs those), in page order."""
+    return [command for page in PAGES for block in fenced_blocks("bash", TEXTS[page])
+            if not block.startswith("#!/") for command in commands_of(block)]
 
 
 COMMANDS = readme_commands()
@@ -147,33 +161,48 @@ def test_the_test_command_is_what_ci_runs() -> None:
 
 def test_readme_examples_print_what_it_says() -> None:
     # The >>> examples of the ```python blocks, without the closing fences (doctest would expect them as output).
-    examples = doctest.DocTestParser().get_doctest("\n\n".join(fenced_blocks("python")), {}, "README.md",
-                                                   str(README), 0)
+    blocks = [block for page in PAGES for block in fenced_blocks("python", TEXTS[page])]
+    examples = doctest.DocTestParser().get_doctest("\n\n".join(blocks), {}, "README.md", str(README), 0)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     runner.run(examples)
     result = runner.summarize(verbose=False)
     assert result.attempted > 0 and result.failed == 0
 
 
+def test_the_readme_shows_the_loop_as_it_is() -> None:
+    """The block of the README that shows train_one_epoch's loop is its source, line for line."""
+    shown = next(block for block in fenced_blocks("python") if "for i, (images, labels) in enumerate(bar):" in block)
+    source = (REPO / "multi_train_utils" / "train_eval_utils.py").read_text()
+    assert shown in source
+
+
+def test_the_readme_is_read_in_one_sitting_and_links_every_page_of_docs() -> None:
+    assert len(TEXT.split()) <= MAX_README_WORDS
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)", TEXT))
+    assert linked == {f"docs/{page.name}" for page in PAGES[1:]}
+
+
+def test_every_flag_is_in_the_table_of_flags() -> None:
+    from multi_train_utils.cli import get_args_parser
+
+    table = (REPO / "docs" / "flags.md").read_text()
+    for launcher in ("single", "launch", "spawn"):
+        for action in get_args_parser(launcher)._actions:
+            if action.help != argparse.SUPPRESS and action.option_strings[0] != "-h":
+                assert f"| `{action.option_strings[0]}` |" in table, action.option_strings[0]
+
+
 CODE_LINK = re.compile(r"\[`([^`]+)`\]\(([^)#\s]+)#L(\d+)\)")
 
 
-def test_links_to_our_code_point_at_the_line_they_name() -> None:
-    links = CODE_LINK.findall(TEXT)
-    assert len(links) >= 10
-    for symbol, path, line in links:
-        lines = (REPO / path).read_text().splitlines()
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_links_to_our_code_point_at_the_line_they_name(page: Path) -> None:
+    for symbol, path, line in CODE_LINK.findall(TEXTS[page]):
+        lines = (page.parent / path).read_text().splitlines()
         assert 0 < int(line) <= len(lines) and symbol in lines[int(line) - 1], (
-            f"[`{symbol}`]({path}#L{line}): line {line} of {path} no longer holds {symbol!r}; "
+            f"{page.name}: [`{symbol}`]({path}#L{line}): line {line} of {path} no longer holds {symbol!r}; "
             f"it is now on line(s) {[i + 1 for i, text in enumerate(lines) if symbol in text]}")
-
-
-def test_local_links_and_pictures_exist() -> None:
-    targets = re.findall(r"\]\(([^)\s]+)\)", TEXT)
-    local = [target.split("#")[0] for target in targets if not target.startswith(("http://", "https://", "#"))]
-    assert any(target.startswith("docs/") for target in local)
-    missing = [target for target in local if not (REPO / target).exists()]
-    assert not missing, f"the README links to files that do not exist: {missing}"
+    assert len(CODE_LINK.findall(TEXT)) >= 10
 
 
 def github_anchor(heading: str) -> str:
@@ -181,17 +210,30 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_links_within_the_readme_find_their_heading() -> None:
-    prose = re.sub(r"^```.*?^```", "", TEXT, flags=re.DOTALL | re.MULTILINE)  # a "# comment" is no heading
-    anchors = {github_anchor(heading) for heading in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
-    broken = [target for target in re.findall(r"\]\(#([^)\s]+)\)", TEXT) if target not in anchors]
-    assert not broken, f"no heading for these links: {broken}"
+def anchors(page: Path) -> set[str]:
+    prose = re.sub(r"^```.*?^```", "", TEXTS[page], flags=re.DOTALL | re.MULTILINE)  # a "# comment" is no heading
+    return {github_anchor(heading) for heading in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_local_links_pictures_and_headings_exist(page: Path) -> None:
+    """Every link to a file of the repository finds it, and a link to a heading (#...), on the same page or
+    another, finds the heading."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", TEXTS[page]):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name} links to {path}, which does not exist"
+        if anchor and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{page.name}: no heading #{anchor} in {linked.name}"
 
 
 def test_diffs_show_the_scripts_real_lines() -> None:
     """A ```diff block names its two files in its ---/+++ header; each -, + and context line must be a
-    line of the file it belongs to (a line of just '...' stands for lines left out)."""
-    diffs = fenced_blocks("diff")
+    line of the file it belongs to (a line of just '...' stands for lines left out). The recipes of Change it
+    (headers a/... b/...) are changes to make, applied and run by test_change_it.py."""
+    diffs = [diff for diff in fenced_blocks("diff") if not diff.startswith("--- a/")]
     assert diffs
     for diff in diffs:
         header, body = diff.split("\n", 2)[:2], diff.split("\n", 2)[2]
