@@ -129,6 +129,20 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
                              f"({str(err).splitlines()[0]})") from None
 
 
+def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """What keeps `state` from loading into `model`, in a few words (how many tensors, and the first of each
+    kind); None if it fits."""
+    own = model.state_dict()
+    missing = [name for name in own if name not in state]
+    unexpected = [name for name in state if name not in own]
+    reshaped = [name for name in own if name in state and own[name].shape != state[name].shape]
+    parts = [f"{len(missing)} tensor(s) missing, such as {missing[0]}" if missing else "",
+             f"{len(unexpected)} not in this model, such as {unexpected[0]}" if unexpected else "",
+             f"{len(reshaped)} of another shape, such as {reshaped[0]} ({tuple(state[reshaped[0]].shape)} saved, "
+             f"{tuple(own[reshaped[0]].shape)} here)" if reshaped else ""]
+    return "; ".join(part for part in parts if part) or None
+
+
 def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = False) -> None:
     """Copy every tensor of `source` whose name and shape fit `model`; report what was left out.
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model import create_model, read_state_dict
+from model import check_model_name, create_model, read_state_dict, state_dict_mismatch
 from multi_train_utils.checkpoint import CHECKPOINT_NAME
-from multi_train_utils.cli import MAX_IMAGE_SIZE, at_least
+from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLineErrorParser, at_least
 from multi_train_utils.distributed_utils import resolve_device, use_device
-from multi_train_utils.errors import UserInputError, report
+from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.files import load_file
 from multi_train_utils.transforms import build_transforms, to_model_input
 from my_dataset import UnreadableImageError, decode_rgb
@@ -43,11 +43,11 @@ class TrainedRun:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0], formatter_class=DefaultsOnceFormatter)
     add = parser.add_argument
     add("images", nargs="+", help="image files, or folders whose images (sub-folders too) are all classified")
-    add("--run", default="output", help="the --output-dir of a training run")
+    add("--run", default=None, help="the --output-dir of a training run (default: the run --weights belongs to, "
+        "else output)")
     add("--weights", default=None, help="weights to use instead of the run's weights/best.pth "
         "(such as weights/best_ema.pth)")
     add("--model", default=None, help="the model's name, if not the run's")
@@ -60,11 +60,15 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def read_run(args: argparse.Namespace) -> TrainedRun:
-    """The class names, weights, model and image size of --run, each overridable by its flag."""
-    run = Path(args.run)
+    """The class names, weights, model and image size of --run, each overridable by its flag. Without --run,
+    the run is the one whose weights/ folder --weights is in."""
+    run = Path(args.run or (Path(args.weights).parent.parent if args.weights else "output"))
+    flag = "--run" if args.run or not args.weights else "--weights"
     classes_file = run / "class_indices.json"
     if not classes_file.is_file():
-        raise UserInputError(f"--run {run}: no class_indices.json (give the --output-dir of a training run)")
+        where = f"{args.weights}: the run it belongs to, {run}, has" if flag == "--weights" else f"{run}:"
+        raise UserInputError(f"{flag} {where} no class_indices.json (give the --output-dir of a training run with "
+                             "--run)")
     classes = json.loads(classes_file.read_text())
     class_names = [classes[str(index)] for index in range(len(classes))]
     saved_args = {}
@@ -79,11 +83,12 @@ def read_run(args: argparse.Namespace) -> TrainedRun:
 
 def load_model(run: TrainedRun, device: torch.device) -> nn.Module:
     model = create_model(run.model, len(run.class_names))
-    try:
-        model.load_state_dict(read_state_dict(run.weights))
-    except RuntimeError as err:
+    state = read_state_dict(run.weights)
+    problem = state_dict_mismatch(model, state)
+    if problem:
         raise UserInputError(f"--weights {run.weights}: does not fit {run.model} with {len(run.class_names)} "
-                             f"classes ({str(err).splitlines()[-1].strip()})") from None
+                             f"classes ({problem})")
+    model.load_state_dict(state)
     return model.to(device).eval()
 
 
@@ -129,6 +134,8 @@ def describe(path: str, probabilities: torch.Tensor, class_names: list[str], top
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
+    if args.model:
+        check_model_name(args.model)
     run = read_run(args)
     device = resolve_device(args.device, 0, distributed=False)
     use_device(device)
@@ -145,5 +152,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except UserInputError as stop:
-        report(f"error: {stop}")
+        report(f"error: {one_line(stop)}")
         sys.exit(2)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from model import state_dict_mismatch
+
 from .ddp import unwrap_model
 from .distributed_utils import DistContext, get_world_size, is_dist_avail_and_initialized, print_main, reduce_value
 from .divergence import stop_if_diverged
@@ -270,13 +272,21 @@ class Checkpointer(Hook):
         if saved.state is None:
             return 0
         checkpoint = saved.state
-        try:
-            unwrap_model(self.model).load_state_dict(checkpoint["model"])
-            load_optimizer_state(self.optimizer, checkpoint["optimizer"])
-        except (RuntimeError, ValueError) as err:
+        problem = state_dict_mismatch(unwrap_model(self.model), checkpoint["model"])
+        if problem:
             model = checkpoint.get("args", {}).get("model")
             raise UserInputError(f"--resume {saved.path}: saved from --model {model} on data with other classes "
-                                 f"or another model; it does not fit ({str(err).splitlines()[0].rstrip(':')})"
+                                 f"or another model; it does not fit ({problem})")
+        unwrap_model(self.model).load_state_dict(checkpoint["model"])
+        saved_opt, opt = checkpoint.get("args", {}).get("opt", "sgd"), self.recorder.args.get("opt", "sgd")
+        if saved_opt != opt:
+            raise UserInputError(f"--opt {opt}: the run to resume ({saved.path}) trained with --opt {saved_opt}, "
+                                 "whose state this optimizer cannot take; resume with it")
+        try:
+            load_optimizer_state(self.optimizer, checkpoint["optimizer"])
+        except ValueError as err:  # another --opt, or layers frozen or not (another set of parameters)
+            raise UserInputError(f"--resume {saved.path}: its optimizer state does not fit this run's optimizer "
+                                 f"({str(err).splitlines()[0]}); resume with the run's --opt and --freeze-layers"
                                  ) from None
         self.scheduler.load_state_dict(checkpoint["scheduler"])
         if self.options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved without fp16

@@ -30,11 +30,12 @@ class Terminated(SystemExit):
 
 
 class Preempted(SystemExit):
-    """A stop asked for by a signal, after the checkpoint of the step where every rank stopped was written
-    (rank 0 has said so): every process exits with the code a requeue expects."""
+    """A stop asked for by a signal, after the checkpoint of the step where every rank stopped was written:
+    every process exits with the code a requeue expects, and rank 0 says `line`."""
 
-    def __init__(self) -> None:
+    def __init__(self, line: str = "") -> None:
         super().__init__(REQUEUE_EXIT_CODE)
+        self.line = line
 
 
 class QuietExit(SystemExit):

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import UserInputError
+
 # name -> (the optimizer class, its own arguments, its default --weight-decay)
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], float]] = {
     "sgd": (torch.optim.SGD, {"momentum": 0.9}, 5e-3),  # the tutorial's
@@ -84,6 +86,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str = "cosine", epoc
 
 def optimizer_steps_per_epoch(batches: int, accum_steps: int = 1) -> int:
     """Optimizer steps in an epoch of `batches` batches: the last step may gather fewer than accum_steps."""
+    if accum_steps > batches:
+        # The lr is multiplied by accum_steps for batches that would never come.
+        raise UserInputError(f"--accum-steps {accum_steps}: more than the {batches} batches each process trains on "
+                             f"in an epoch; at most {batches}")
     return math.ceil(batches / accum_steps)
 
 

@@ -103,11 +103,10 @@ class StopAtStep(Hook):
         return agree(stop_signal() is not None, self.group)
 
     def stop(self, where: str) -> None:
-        """End the run after the checkpoint just written; every rank exits once rank 0 has written it."""
-        if is_main_process():  # now: a launcher stops the others once the first process has exited
-            report(f"Stopped by {stop_signal() or 'a signal to another process'} {where}; its checkpoint is "
-                   f"{self.checkpoints.recorder.checkpoint_path}; go on with --resume auto")
-        raise Preempted
+        """End the run after the checkpoint just written; every rank exits once rank 0 has written it
+        (shutdown.end_run)."""
+        raise Preempted(f"Stopped by {stop_signal() or 'a signal to another process'} {where}; its checkpoint is "
+                        f"{self.checkpoints.recorder.checkpoint_path}; go on with --resume auto")
 
 
 def stop_at_the_deadline(grace_s: float, sigterm: threading.Event, training_over: threading.Event) -> None:

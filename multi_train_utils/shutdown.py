@@ -35,6 +35,7 @@ KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU 
 class _Ending:
     under_way = False  # a stop or a failure is being handled: later stop signals change nothing
     store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
+    launcher_gone = False  # the process that started this one has ended (stop_when_launcher_dies)
 
 
 def stop_now(signum: int, frame: object = None) -> None:
@@ -80,7 +81,9 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
         cleanup(failed=True)
         raise err
     if isinstance(err, Preempted):
-        barrier()  # rank 0 has written the checkpoint and said so
+        if rank == 0:  # before the others may exit: a launcher stops the whole job when the first one does
+            report(err.line)
+        barrier()  # no process ends before rank 0 has written the checkpoint and said so
         cleanup()
         raise QuietExit(err.code)
     signalled = isinstance(err, (KeyboardInterrupt, Terminated))
@@ -102,6 +105,8 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
 def stopped_line(stop: BaseException, checkpoint: Path | None) -> str:
     """What a run stopped at once (Ctrl-C, or a signal outside the training steps) says."""
     cause = stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"
+    if _Ending.launcher_gone:
+        cause = "the end of the launcher that started this run"
     if checkpoint is not None and checkpoint.is_file():
         return f"Stopped by {cause}; the last checkpoint written, {checkpoint}, is kept; go on with --resume auto"
     return f"Stopped by {cause} before any checkpoint was written"
@@ -204,6 +209,7 @@ def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
+        _Ending.launcher_gone = True
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             _Ending.store_gone = True
         os.kill(os.getpid(), signal.SIGTERM)

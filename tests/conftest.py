@@ -8,7 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +104,7 @@ def ends_of_runs_are_undone() -> Iterator[None]:
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
-    shutdown._Ending.under_way = shutdown._Ending.store_gone = False
+    shutdown._Ending.under_way = shutdown._Ending.store_gone = shutdown._Ending.launcher_gone = False
 
 
 @contextlib.contextmanager
@@ -117,6 +118,42 @@ def checkpointer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folde
     scheduler = build_scheduler(optimizer, epochs=2, steps_per_epoch=batches)
     with RunRecorder(folder, single_process("cpu"), split, {"model": "small", **(args or {})}) as recorder:
         yield Checkpointer(model, optimizer, scheduler, options or StepOptions(), recorder, loader)
+
+
+def spawned_by(pid: int) -> list[int]:
+    """The processes that torch.multiprocessing started from `pid`, its resource tracker among them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                command = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if parent == pid and "multiprocessing" in command:
+                found.append(int(entry.name))
+    return found
+
+
+def signal_once_ready(cmd: list[str], env: dict[str, str], log_path: Path,
+                      ready: Callable[[subprocess.Popen], bool], signum: int, settle_s: float = 0.0,
+                      ready_within_s: float = 60.0) -> tuple[int, str]:
+    """Start `cmd` in a session of its own, send it `signum` once `ready(job)` holds (and `settle_s` later),
+    wait for it to end; return its exit code and its output. Killed through its PID if it overstays."""
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + ready_within_s
+        while not ready(job):
+            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.02)
+        time.sleep(settle_s)
+        job.send_signal(signum)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job.returncode, log_path.read_text()
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

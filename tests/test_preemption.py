@@ -9,7 +9,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,19 @@ from torch import nn
 
 import multi_train_utils.fit as engine
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, checkpointer, free_port, make_image_folder, python, run, script_env, torchrun
+from conftest import (
+    REPO,
+    TINY_FLAGS,
+    checkpointer,
+    free_port,
+    make_image_folder,
+    python,
+    run,
+    script_env,
+    signal_once_ready,
+    spawned_by,
+    torchrun,
+)
 from multi_train_utils import preemption, shutdown
 from multi_train_utils.cli import run_cli
 from multi_train_utils.data import ResumableDistributedSampler
@@ -366,39 +378,3 @@ def test_a_signal_while_the_spawned_processes_start_still_ends_the_job_for_a_req
                                      signal.SIGTERM)
     assert code == 143, output[-3000:]
     assert output.count("Stopped by SIGTERM") == 1, output[-3000:]
-
-
-def spawned_by(pid: int) -> list[int]:
-    """The processes that torch.multiprocessing started from `pid`, its resource tracker among them."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                command = (entry / "cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if parent == pid and "multiprocessing" in command:
-                found.append(int(entry.name))
-    return found
-
-
-def signal_once_ready(cmd: list[str], env: dict[str, str], log_path: Path,
-                      ready: Callable[[subprocess.Popen], bool], signum: int, settle_s: float = 0.0,
-                      ready_within_s: float = 60.0) -> tuple[int, str]:
-    """Start `cmd` in a session of its own, send it `signum` once `ready(job)` holds (and `settle_s` later),
-    wait for it to end; return its exit code and its output. Killed through its PID if it overstays."""
-    with open(log_path, "w") as log:
-        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + ready_within_s
-        while not ready(job):
-            assert job.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.02)
-        time.sleep(settle_s)
-        job.send_signal(signum)
-        job.wait(timeout=60)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    return job.returncode, log_path.read_text()

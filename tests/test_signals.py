@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, script_env, torchrun
+from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, script_env, spawned_by, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -65,8 +65,9 @@ def port_is_free(port: int) -> bool:
     # The agent passes SIGTERM to the workers' whole process groups, their loader workers too; every rank
     # stops at one step and saves it (test_preemption.py resumes from such checkpoints on every launcher).
     ("torchrun", "sigterm"),
-    # torchrun's agent killed outright cannot stop its workers: they must notice by themselves.
-    ("torchrun", "sigkill")])
+    # torchrun's agent killed outright (or by SIGUSR1, which it does not handle) cannot stop its workers: they
+    # must notice by themselves, and not ask the store that went with it.
+    ("torchrun", "sigkill"), ("torchrun", "sigusr1")])
 def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: str) -> None:
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
     out, port = tmp_path / "run", free_port()
@@ -92,7 +93,7 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
         if stop == "ctrl-c":
             os.killpg(run.pid, signal.SIGINT)  # what the terminal sends to the whole foreground group
         else:  # what a scheduler sends, to the launcher alone; or the out-of-memory killer
-            os.kill(run.pid, signal.SIGTERM if stop == "sigterm" else signal.SIGKILL)
+            os.kill(run.pid, getattr(signal, stop.upper()))
         run.wait(timeout=30)
         elapsed = time.monotonic() - started
         while still_running(tree) and time.monotonic() - started < 15:
@@ -110,6 +111,10 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
     assert our_frames == [] and ("Traceback" not in output or launcher == "torchrun"), output[-3000:]
     assert elapsed < 15, f"the launcher took {elapsed:.1f} s to end"
     assert left == [], f"still running: {left}"
+    assert not re.search(r"TCPStore|sendBytes|recvValue", output), "no page of C++ frames from a store that is gone"
+    said = [line for line in output.split("\n") if "Stopped by" in line]
+    assert len(said) == 1 and said[0].startswith("Stopped by "), f"one line of ours, on a line of its own: {said}"
+
     assert port_is_free(port) or launcher == "single"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0
     assert not list(out.glob(".*.partial"))
@@ -134,7 +139,7 @@ def test_ctrl_c_in_a_loader_worker_is_left_to_the_training_process(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C reaches the loader workers too; one busy with an item would raise KeyboardInterrupt, which the
     loader re-raises in the training process with the worker's traceback, once per worker."""
-    from multi_train_utils.data import leave_signals_to_the_trainer, loader_start_method
+    from multi_train_utils.loader_workers import leave_signals_to_the_trainer, loader_start_method
 
     monkeypatch.setenv("WORKER_PID_FILE", str(tmp_path / "worker"))
     loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=1, num_workers=1,
@@ -147,3 +152,82 @@ def test_ctrl_c_in_a_loader_worker_is_left_to_the_training_process(tmp_path: Pat
         time.sleep(0.05)
     os.kill(int((tmp_path / "worker").read_text()), signal.SIGINT)  # while it sleeps inside the item
     assert next(batches).tolist() == [0]
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("signals") / "images", {"a": 10, "b": 10, "c": 10})
+
+
+def logged(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+# Moments of a spawn run, from its start to its first epoch, by what the run has shown.
+MOMENTS = {
+    "processes starting": lambda job, out, log: bool(spawned_by(job.pid)),
+    "processes joining": lambda job, out, log: "distributed init" in logged(log),
+    "first epoch": lambda job, out, log: "[epoch 0] train" in logged(log),
+}  # later in training: test_stopping_a_run_ends_every_process
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+def test_ctrl_c_is_never_lost_whenever_it_comes(small_data: Path, tmp_path: Path, moment: str) -> None:
+    """Ctrl-C reaches the spawn script, its processes and their loader workers at once: at any moment of the
+    start-up or of training, the job ends with 130, says so once, and leaves no process; nothing trains on."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    cmd = [python(), str(REPO / "train_multi_gpu_using_spawn.py"), "--world-size", "2", "--data-path",
+           str(small_data), "--output-dir", str(out), *TINY_FLAGS, "--epochs", "40", "--workers", "1"]
+    with open(log, "w") as sink:
+        job = subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=sink, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not MOMENTS[moment](job, out, log):
+            assert job.poll() is None and time.monotonic() < deadline, logged(log)[-3000:]
+            time.sleep(0.02)
+        tree = process_tree(job.pid)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=40)
+        while still_running(tree) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = still_running(tree)
+    finally:
+        for pid in process_tree(job.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    output = logged(log)
+    assert job.returncode == 130, output[-3000:]
+    assert len(re.findall(r"^Stopped by Ctrl-C", output, re.MULTILINE)) == 1, output[-3000:]
+    assert left == [], f"still running: {left}"
+    trained = (out / "metrics.jsonl").read_text().count("\n") if (out / "metrics.jsonl").exists() else 0
+    assert trained < 40, "the run trained on"
+    if moment != "processes starting":  # before that, Python may be importing: its own traceback is its answer
+        assert "Traceback" not in output, output[-3000:]
+
+
+def test_a_stop_signalled_again_and_again_ends_once_and_quietly(small_data: Path, tmp_path: Path) -> None:
+    """Schedulers and impatient people signal twice: the later signals change nothing, and say nothing."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    cmd = [python(), str(REPO / "train_single_gpu.py"), "--data-path", str(small_data), "--output-dir", str(out),
+           *TINY_FLAGS, "--epochs", "40"]
+    with open(log, "w") as sink:
+        job = subprocess.Popen(cmd, cwd=REPO, env=script_env(), stdout=sink, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pth").exists():
+            assert job.poll() is None and time.monotonic() < deadline, logged(log)[-3000:]
+            time.sleep(0.02)
+        for _ in range(12):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job.pid, signal.SIGTERM)
+            time.sleep(0.15)
+        job.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    output = logged(log)
+    assert job.returncode == 143, output[-3000:]
+    assert len(re.findall(r"^Stopped by SIGTERM", output, re.MULTILINE)) == 1, output[-3000:]
+    assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
