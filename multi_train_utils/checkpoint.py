@@ -131,7 +131,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 def results_in(folder: Path) -> list[str]:
     """The results of a run found in `folder` (metrics, weights, checkpoints), as paths relative to it."""
-    found = sorted({str(path.relative_to(folder)) for pattern in RESULTS for path in folder.glob(pattern)})
+    found = sorted({str(path.relative_to(folder)) for pattern in RESULTS for path in folder.glob(pattern)
+                    if path.is_file()})
     return [name for name in found if name != "metrics.jsonl" or (folder / name).stat().st_size > 0]
 
 

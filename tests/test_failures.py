@@ -16,7 +16,7 @@ import train_single_gpu
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.recorder import claim_folder
+from multi_train_utils.files import claim_folder
 
 SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
            "torchrun": [*torchrun(), "--standalone", "--nproc_per_node=2",
@@ -132,6 +132,12 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line_and_writes_nothing(
     assert result.returncode == 2
     one_line_error(result, f"--output-dir {out}: another run is writing there (process {os.getpid()} on")
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
+    (out / "checkpoint.pth").write_bytes(b"a checkpoint the first run is about to replace")
+    resumed = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS, "--resume",
+                   "auto"], timeout=120)
+    assert resumed.returncode == 2 and "Resuming" not in resumed.stdout, "refused before it reads the checkpoint"
+    one_line_error(resumed, f"--output-dir {out}: another run is writing there")
+    (out / "checkpoint.pth").unlink()
     held.close()  # the first run ends
     result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -178,3 +184,59 @@ def test_a_full_disk_stops_every_rank_in_one_line_and_keeps_the_last_checkpoint(
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0, "the last checkpoint is whole"
     assert not list(out.rglob("*.partial")), "no temporary file keeps the disk full"
     assert (out / "weights" / "model-0.pth").stat().st_mode & 0o644 == 0o644, "saved files are not private"
+
+
+def test_a_run_whose_checkpoint_is_missing_is_not_overwritten(data: Path, tmp_path: Path) -> None:
+    """A finished run without checkpoint.pth (--save-every and a crash, or deleted by hand) still holds results:
+    a new run into its folder stops in one line that says what is there, and every file stays."""
+    out = tmp_path / "run"
+    train_single_gpu.main(parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                                                "--epochs", "2"]))
+    (out / "checkpoint.pth").unlink()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for resume in ([], ["--resume", "auto"]):
+        result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS, *resume],
+                     timeout=120)
+        assert result.returncode == 2
+        one_line_error(result, f"--output-dir {out}: holds the results of a run (metrics.jsonl, weights/best.pth, "
+                               "weights/model-0.pth, weights/model-1.pth) but no checkpoint.pth to continue from; "
+                               "choose another --output-dir, or move those files away")
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(("in_the_way", "kind"), [("checkpoints", "file"), ("tensorboard", "file"),
+                                                  ("weights", "file"), ("metrics.jsonl", "folder"),
+                                                  ("weights/best.pth", "folder")])
+def test_whatever_is_in_the_way_of_a_file_the_run_writes_is_found_before_the_first_step(
+        data: Path, tmp_path: Path, in_the_way: str, kind: str) -> None:
+    out = tmp_path / "run"
+    (out / in_the_way).parent.mkdir(parents=True, exist_ok=True)
+    (out / in_the_way).mkdir() if kind == "folder" else (out / in_the_way).write_text("in the way")
+    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                  "--keep-checkpoints", "2"], timeout=120)
+    assert result.returncode == 2
+    want = "a file, where the run writes a folder" if kind == "file" else "a folder, where the run writes a file"
+    one_line_error(result, f"--output-dir {out}: {out / in_the_way} is {want}")
+    assert "[epoch 0] train" not in result.stdout, "no step was trained"
+
+
+def test_what_a_killed_write_left_is_deleted_by_the_next_run(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    (out / "weights").mkdir(parents=True)
+    left = [out / ".checkpoint.pth.a1b2c3.partial", out / "weights" / ".best.pth.d4e5f6.partial"]
+    for partial in left:
+        partial.write_bytes(b"half a checkpoint" * 1000)
+    train_single_gpu.main(parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS]))
+    assert not any(partial.exists() for partial in left)
+    assert not list(out.rglob("*.partial"))
+
+
+def test_more_accumulated_batches_than_an_epoch_has_are_refused(data: Path, tmp_path: Path) -> None:
+    """24 training images in batches of 4: 6 batches an epoch; a step of 1024 of them would never come, and the
+    lr would be multiplied by 1024 all the same."""
+    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
+                  "--accum-steps", "1024"], timeout=120)
+    assert result.returncode == 2
+    one_line_error(result, "--accum-steps 1024: more than the 6 batches each process trains on in an epoch; "
+                           "at most 6")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

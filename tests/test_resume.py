@@ -95,6 +95,8 @@ def test_a_checkpoint_of_another_model_or_class_count_is_a_clear_error(data: Pat
                 if mismatch == "model" else f"error: --data-path {other_data}: the classes differ from the run's")
     assert result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    if mismatch == "model":  # which tensors do not fit, not PyTorch's page of them
+        assert "tensor(s) missing, such as" in result.stderr and "Error(s)" not in result.stderr
 
 
 def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
@@ -257,3 +259,19 @@ def test_a_resume_keeps_the_runs_classes_and_split_whatever_happened_to_the_fold
     with pytest.raises(UserInputError, match=r"the classes differ from the run's \(gone: red; new: crimson\)"):
         train(data, out, "--epochs", "3", "--resume", "auto")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before, "nothing written is lost"
+
+
+def test_a_checkpoint_cut_short_names_the_newest_older_one_that_loads(data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    train(data, out, "--epochs", "2", "--keep-checkpoints", "3")
+    older = out / "checkpoints" / "epoch-0-end.pth"
+    assert older.is_file()
+    whole = (out / "checkpoint.pth").read_bytes()
+    (out / "checkpoint.pth").write_bytes(whole[: len(whole) // 2])  # what a full disk or a broken copy leaves
+    with pytest.raises(UserInputError) as caught:
+        checkpoint.find_saved_run("auto", out, single_process("cpu"))
+    assert str(caught.value) == (f"--resume {out / 'checkpoint.pth'}: not a PyTorch file (damaged, cut short, or "
+                                 f"another kind of file); the newest older checkpoint that loads is {older}: go on "
+                                 f"from it with --resume {older}")
+    train(data, out, "--epochs", "2", "--resume", str(older))
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
