@@ -88,3 +88,20 @@ def test_predict_agrees_with_the_evaluation_on_the_same_files(trained: tuple[Pat
                   for p, relative in zip(predictions, split["val"], strict=True))
     best = max(metrics(out), key=lambda m: (m["val_acc"], m["epoch"]))
     assert correct == best["val_correct"]
+
+
+def test_predict_finds_the_run_of_its_weights_and_errs_in_one_line(trained: tuple[Path, Path]) -> None:
+    data, out = trained
+    image = str(next((data / "red").iterdir()))
+    alone = run([python(), str(REPO / "predict.py"), "--weights", str(out / "weights" / "best_ema.pth"), image],
+                timeout=120)
+    assert alone.returncode == 0 and alone.stdout.startswith(image), alone.stderr
+    best = out / "weights" / "best.pth"
+    cases = [(["--run", str(out), "--model", "resnet34"], f"error: --weights {best}: does not fit resnet34 with 3 "),
+             (["--top-k", "0"], "error: argument --top-k: must be at least 1"),
+             (["--weights", "/nowhere/weights/best.pth"], "error: --weights /nowhere/weights/best.pth: the run it "
+                                                           "belongs to, /nowhere, has no")]
+    for flags, start in cases:
+        result = run([python(), str(REPO / "predict.py"), *flags, image], timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith(start), result.stderr
+        assert len(result.stderr.splitlines()) == 1 and len(result.stderr) < 300, result.stderr
