@@ -52,7 +52,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), saved.start_epoch) as recorder:
+    with RunRecorder(args.output_dir, ctx, data.split, vars(args), saved) as recorder:
         fit(model, optimizer, scheduler, train_loader, val_loader, recorder, ctx.device, options, saved)
 
 

@@ -138,8 +138,8 @@ def results_in(folder: Path) -> list[str]:
 
 def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
     """Which checkpoint to continue from: --resume PATH, or with --resume auto (and in an attempt that
-    torchrun restarted) the one in --output-dir if there is one. A run never starts afresh over the results
-    of another: its weights and metrics would be overwritten or mixed with the new run's."""
+    torchrun restarted) the one in --output-dir if there is one. A fresh run never replaces a run's checkpoint
+    (nor, refuse_results_without_a_checkpoint, its other results)."""
     folder = Path(output_dir)
     existing = folder / CHECKPOINT_NAME
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and existing.is_file():
@@ -155,14 +155,19 @@ def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> P
     if existing.exists():
         raise UserInputError(f"--output-dir {output_dir}: holds a run already ({existing}); continue it with "
                              "--resume auto, or choose another --output-dir")
-    results = results_in(folder) if folder.is_dir() else []
+    return None
+
+
+def refuse_results_without_a_checkpoint(folder: Path) -> None:
+    """Stop a fresh run before it overwrites, or mixes its own with, the metrics and weights of a run whose
+    checkpoint is missing (--save-every and a crash, files deleted by hand)."""
+    results = results_in(folder)
     if results:
         older = newest_readable(folder)
         go_on = f"continue it with --resume {older}" if older else "choose another --output-dir"
-        raise UserInputError(f"--output-dir {output_dir}: holds the results of a run ({', '.join(results[:4])}"
+        raise UserInputError(f"--output-dir {folder}: holds the results of a run ({', '.join(results[:4])}"
                              f"{', ...' if len(results) > 4 else ''}) but no {CHECKPOINT_NAME} to continue "
                              f"from; {go_on}, or move those files away")
-    return None
 
 
 def newest_readable(folder: Path, but: Path | None = None) -> Path | None:

@@ -14,7 +14,14 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from .checkpoint import CHECKPOINT_NAME, KEPT_CHECKPOINTS, model_weights, position_name
+from .checkpoint import (
+    CHECKPOINT_NAME,
+    KEPT_CHECKPOINTS,
+    SavedRun,
+    model_weights,
+    position_name,
+    refuse_results_without_a_checkpoint,
+)
 from .distributed_utils import DistContext
 from .errors import UserInputError
 from .files import claim_folder, remove_partial_files, save_atomic
@@ -53,7 +60,7 @@ class RunRecorder:
     """
 
     def __init__(self, output_dir: str | os.PathLike, ctx: DistContext, split: dict[str, list[str]],
-                 args: dict[str, Any], start_epoch: int = 0) -> None:
+                 args: dict[str, Any], saved: SavedRun | None = None) -> None:
         self.enabled = ctx.is_main
         self.args = args
         self.save_every = args.get("save_every", 1)
@@ -69,13 +76,15 @@ class RunRecorder:
             return
         try:
             self.lock = claim_folder(self.output_dir)
+            if saved is None or saved.state is None:  # a fresh run: not over the results of another
+                refuse_results_without_a_checkpoint(self.output_dir)
             remove_partial_files(self.output_dir)  # of a run that was killed while it wrote
             check_paths_to_write(self.output_dir)
             self.weights_dir.mkdir(exist_ok=True)
             (self.output_dir / "class_indices.json").write_text(
                 json.dumps(dict(enumerate(self.class_names)), indent=4) + "\n")
             (self.output_dir / "split.json").write_text(json.dumps(split) + "\n")
-            self.metrics_file = self.open_metrics(start_epoch)
+            self.metrics_file = self.open_metrics(saved.start_epoch if saved else 0)
         except OSError as err:
             raise UserInputError(f"--output-dir {self.output_dir}: cannot write there ({err.strerror})") from None
         print(f"Writing to {self.output_dir}", flush=True)
