@@ -28,6 +28,34 @@ SBIN_PATH = f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/local/sbin"
 CRED_EXPIRE_S = 5
 
 
+# The paths the batch scripts of docs/clusters.md train on and write to.
+DATA_PATH, OUTPUT_DIR = "/shared/flower_photos", "/shared/runs/flowers"
+
+
+def sbatch_scripts(page: Path) -> list[str]:
+    """Every batch script of a Markdown page: the ```bash blocks that start with #!/bin/bash."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", page.read_text(), flags=re.DOTALL | re.MULTILINE)
+    return [block for block in blocks if block.startswith("#!/bin/bash\n")]
+
+
+def for_this_machine(script: str, data: Path, out: Path, flags: list[str]) -> str:
+    """A batch script as it can run here: one node, at most two tasks, no GPUs; `data` and `out` for the
+    page's paths; `flags` after the training command's own (later flags win)."""
+    def resources(line: str) -> str:
+        line = re.sub(r"--nodes=\d+", "--nodes=1", line)
+        line = re.sub(r"--ntasks-per-node=(\d+)", lambda m: f"--ntasks-per-node={min(int(m.group(1)), 2)}", line)
+        return re.sub(r" --(gpus-per-node|cpus-per-task)=\d+", "", line)
+
+    if DATA_PATH not in script or OUTPUT_DIR not in script:
+        raise ValueError(f"the script no longer trains on {DATA_PATH} into {OUTPUT_DIR}:\n{script}")
+    lines = [resources(line) if line.startswith("#SBATCH") else line
+             for line in script.replace("\\\n", " ").splitlines()]
+    (training,) = [i for i, line in enumerate(lines) if "train_multi_gpu_using_launch.py" in line]
+    command, background = re.fullmatch(r"(.*?)( &)?", lines[training].rstrip()).groups()
+    lines[training] = " ".join([command, *flags]) + (background or "")
+    return "\n".join(lines).replace(DATA_PATH, str(data)).replace(OUTPUT_DIR, str(out)) + "\n"
+
+
 def why_no_cluster() -> str | None:
     """The reason the SLURM tests cannot run here, or None."""
     missing = [name for name in DAEMONS + CLIENTS if not shutil.which(name, path=SBIN_PATH)]
@@ -73,6 +101,9 @@ def slurm_conf(root: Path, node: dict[str, str]) -> str:
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/builtin",
         "SchedulerParameters=sched_interval=1",
+        # A job in the partition "urgent" takes the cores of jobs in "tests", which go back in the queue.
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=REQUEUE",
         "KillWait=30",  # SLURM's default: SIGTERM, then SIGKILL 30 s later
         "ReturnToService=2",
         "JobAcctGatherType=jobacct_gather/none",
@@ -84,7 +115,9 @@ def slurm_conf(root: Path, node: dict[str, str]) -> str:
         f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
         f"NodeName={node['NodeName']} NodeAddr=127.0.0.1 {hardware} State=UNKNOWN",
         # OverSubscribe=YES: jobs that ask for it (sbatch --oversubscribe) may share the node's cores.
-        f"PartitionName=tests Nodes={node['NodeName']} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+        f"PartitionName=tests Nodes={node['NodeName']} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES "
+        "PriorityTier=1",
+        f"PartitionName=urgent Nodes={node['NodeName']} MaxTime=INFINITE State=UP PriorityTier=2",
         "",
     ])
 
@@ -114,18 +147,21 @@ class SlurmCluster:
         """The job's fields as `scontrol show job` gives them (JobState, Restarts, ExitCode, ...)."""
         return dict(re.findall(r"(\w+)=(\S*)", self.command("scontrol", "show", "job", "-o", str(job_id))))
 
-    def wait_for(self, job_id: int, states: set[str], timeout: float = 180) -> dict[str, str]:
-        """Wait until the job is in one of `states`; its fields."""
+    def wait_until_gone(self, job_id: int, timeout: float = 180) -> dict[str, str]:
+        """Wait until the job has ended and its processes too (squeue no longer lists it); its fields."""
         deadline = time.monotonic() + timeout
-        while True:
-            fields = self.job(job_id)
-            if fields["JobState"] in states:
-                return fields
-            assert time.monotonic() < deadline, f"job {job_id} still {fields['JobState']} after {timeout} s: {fields}"
+        while job_id in self.jobs():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still there after {timeout} s: {self.job(job_id)}")
             time.sleep(0.2)
+        return self.job(job_id)
 
     def jobs(self) -> list[int]:
         return [int(job) for job in self.command("squeue", "-h", "-o", "%i").split()]
+
+    def cancel(self, job_id: int, *options: str) -> None:
+        """scancel, for a job that may have ended meanwhile (scancel's complaint about that does not matter)."""
+        subprocess.run(["scancel", *options, str(job_id)], env=self.env, capture_output=True, timeout=30)
 
     def node_state(self) -> str:
         return re.search(r"State=(\S+)", self.command("scontrol", "show", "node", self.node)).group(1)
@@ -133,9 +169,9 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel every job left (its processes killed at once), then end the daemons by their PIDs."""
         if self.daemons and all(daemon.poll() is None for daemon in self.daemons):
-            for job in self.jobs():  # a job may end meanwhile: scancel's complaint about it does not matter
-                subprocess.run(["scancel", "--signal=KILL", "--full", str(job)], env=self.env, capture_output=True)
-                subprocess.run(["scancel", str(job)], env=self.env, capture_output=True)
+            for job in self.jobs():
+                self.cancel(job, "--signal=KILL", "--full")
+                self.cancel(job)
             deadline = time.monotonic() + 60
             while self.jobs() and time.monotonic() < deadline:
                 time.sleep(0.5)

@@ -117,12 +117,13 @@ def agents(tmp_path: Path) -> Iterator[Agents]:
         started.kill_what_is_left()
 
 
-def wait_until(condition: Callable[[], bool], agents: Agents, what: str, timeout: float = 120) -> None:
+def wait_until(condition: Callable[[], bool], what: str, running: Agents | None = None, timeout: float = 120) -> None:
+    """Wait for `condition`, for at most `timeout` s, while every agent of `running` keeps running."""
     deadline = time.monotonic() + timeout
     while not condition():
-        ended = [i for i, agent in enumerate(agents.started) if agent.poll() is not None]
+        ended = [i for i, agent in enumerate(running.started) if agent.poll() is not None] if running else []
         assert not ended and time.monotonic() < deadline, (
-            f"waiting for {what}: " + (f"agent {ended[0]} ended\n{agents.log(ended[0])[-3000:]}" if ended
+            f"waiting for {what}: " + (f"agent {ended[0]} ended\n{running.log(ended[0])[-3000:]}" if ended
                                       else f"not within {timeout} s"))
         time.sleep(0.05)
 
@@ -156,9 +157,9 @@ def test_a_machine_joins_and_another_leaves_in_the_middle_of_an_epoch(agents: Ag
                        PYTHONPATH=f"{REPO / 'tests' / 'slow_samples'}:{REPO}", RECORD_SAMPLES=str(record),
                        SLOW_SAMPLE_S="0.2")
     agents.start(*command)
-    wait_until(lambda: len(loaded(record)) >= 9, agents, "the first agent's process to train")
+    wait_until(lambda: len(loaded(record)) >= 9, "the first agent's process to train", agents)
     second = agents.start(*command)
-    wait_until(lambda: len(loaded(record, world_size=2)) >= 6, agents, "two processes to train")
+    wait_until(lambda: len(loaded(record, world_size=2)) >= 6, "two processes to train", agents)
     second.send_signal(signal.SIGTERM)
     codes = agents.wait(timeout=240)
     assert codes == [0, 1], f"exit codes {codes}\n{agents.log(0)[-3000:]}\n{agents.log(1)[-3000:]}"
@@ -172,3 +173,21 @@ def test_a_machine_joins_and_another_leaves_in_the_middle_of_an_epoch(agents: Ag
     (metrics,) = [json.loads(line) for line in (agents.out / "metrics.jsonl").read_text().splitlines()]
     assert metrics["epoch"] == 0 and metrics["world_size"] == 1 and metrics["val_total"] == 24
     assert processes_of(agents.out) == [], "processes of the run are left"
+
+
+def test_sigusr1_kills_the_torchrun_agent_and_its_process_ends_without_saving(agents: Agents, tmp_path: Path) -> None:
+    """docs/clusters.md's launcher table: torchrun passes SIGTERM on, but dies of SIGUSR1 at once; its
+    process, left alone, ends without a checkpoint of its step."""
+    data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
+    record = tmp_path / "samples"
+    record.mkdir()
+    agent = agents.start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                          str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data),
+                          "--output-dir", str(agents.out), *FLAGS],
+                         script_env(PYTHONPATH=f"{REPO / 'tests' / 'slow_samples'}:{REPO}",
+                                    RECORD_SAMPLES=str(record), SLOW_SAMPLE_S="0.2"))
+    wait_until(lambda: len(loaded(record)) >= 3, "the process to train", agents)
+    agent.send_signal(signal.SIGUSR1)
+    assert agents.wait(timeout=10) == [-signal.SIGUSR1]
+    wait_until(lambda: not processes_of(agents.out), "the process to end", timeout=60)
+    assert "Stopped by" not in agents.log(0) and not (agents.out / "checkpoint.pth").exists()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
-from slurm_cluster import SlurmCluster, start_cluster, why_no_cluster
+from slurm_cluster import SlurmCluster, for_this_machine, sbatch_scripts, start_cluster, why_no_cluster
 
 WHY_SKIP = why_no_cluster()
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(WHY_SKIP is not None, reason=WHY_SKIP or "")]
@@ -32,40 +34,16 @@ PAGE = REPO / "docs" / "clusters.md"
 # with batches of 3 take 4 steps an epoch.
 FLAGS = [*TINY_FLAGS, "--batch-size", "3", "--epochs", "2", "--lr", "0.002"]
 STEPS_PER_EPOCH = 4
-DATA_PATH, OUTPUT_DIR = "/shared/flower_photos", "/shared/runs/flowers"  # the page's paths
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED"}
 STOPPED = re.compile(r"Stopped by SIGTERM (?:at epoch (\d+), step (\d+)|after epoch (\d+)); its checkpoint is ")
 
 
-def sbatch_scripts() -> list[str]:
-    """Every batch script of the page: the ```bash blocks that start with #!/bin/bash."""
-    blocks = re.findall(r"^```bash\n(.*?)^```", PAGE.read_text(), flags=re.DOTALL | re.MULTILINE)
-    return [block for block in blocks if block.startswith("#!/bin/bash\n")]
-
-
 def requeue_scripts() -> dict[str, str]:
-    """The scripts that requeue before the time limit, by launcher."""
+    """The page's scripts that requeue before the time limit, by launcher."""
     scripts = {}
-    for script in sbatch_scripts():
+    for script in sbatch_scripts(PAGE):
         if "--signal=B:USR1" in script:
             scripts["torchrun" if "srun torchrun" in script else "python"] = script
     return scripts
-
-
-def for_this_machine(script: str, data: Path, out: Path) -> str:
-    """The script as it must run here: one node, at most two tasks, no GPUs; our paths; tiny sizes."""
-    def resources(line: str) -> str:
-        line = re.sub(r"--nodes=\d+", "--nodes=1", line)
-        line = re.sub(r"--ntasks-per-node=(\d+)", lambda m: f"--ntasks-per-node={min(int(m.group(1)), 2)}", line)
-        return re.sub(r" --(gpus-per-node|cpus-per-task)=\d+", "", line)
-
-    lines = [resources(line) if line.startswith("#SBATCH") else line
-             for line in script.replace("\\\n", " ").splitlines()]
-    assert DATA_PATH in script and OUTPUT_DIR in script, f"the script no longer trains on {DATA_PATH}:\n{script}"
-    (training,) = [i for i, line in enumerate(lines) if "train_multi_gpu_using_launch.py" in line]
-    command, background = re.fullmatch(r"(.*?)( &)?", lines[training].rstrip()).groups()
-    lines[training] = " ".join([command, *FLAGS]) + (background or "")
-    return "\n".join(lines).replace(DATA_PATH, str(data)).replace(OUTPUT_DIR, str(out)) + "\n"
 
 
 # ---- the cluster, the data, and the run that nothing stopped -------------------------------------------------
@@ -85,6 +63,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_image_folder(tmp_path_factory.mktemp("slurm_data") / "images", {"a": 10, "b": 10, "c": 15})
 
 
+def samples_loaded(record: Path) -> int:
+    """How many images the processes have loaded so far (tests/fault_injection's record: a file each)."""
+    return sum(len(path.read_text().splitlines()) for path in record.iterdir())
+
+
 def job_env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
     """What sbatch passes on to a job: a script's environment (no ranks of ours), and the cluster."""
     return script_env(SLURM_CONF=cluster.env["SLURM_CONF"], PATH=cluster.env["PATH"], **extra)
@@ -98,7 +81,7 @@ class Job:
         self.cluster, self.out, self.record, self.log = cluster, folder / "run", folder / "samples", folder / "log"
         self.record.mkdir(parents=True, exist_ok=True)
         self.path = folder / "job.sh"
-        self.path.write_text(for_this_machine(script, data, self.out))
+        self.path.write_text(for_this_machine(script, data, self.out, FLAGS))
         self.id = 0
 
     def submit(self) -> Job:
@@ -109,7 +92,7 @@ class Job:
 
     def loaded(self) -> int:
         """Samples loaded so far, by every process of every run of this job."""
-        return sum(len(path.read_text().splitlines()) for path in self.record.iterdir())
+        return samples_loaded(self.record)
 
     def wait_until_training(self, loaded_before: int, timeout: float = 120) -> None:
         """Until both processes have taken a batch more than `loaded_before` samples: inside an optimizer step."""
@@ -120,12 +103,10 @@ class Job:
             time.sleep(0.05)
 
     def wait_until_gone(self, timeout: float = 180) -> dict[str, str]:
-        """Until the job has ended and its processes too (no longer listed as completing); its fields."""
-        deadline = time.monotonic() + timeout
-        while str(self.id) in self.cluster.command("squeue", "-h", "-o", "%i").split():
-            assert time.monotonic() < deadline, f"job {self.id} still there after {timeout} s\n{self.output()}"
-            time.sleep(0.2)
-        return self.cluster.job(self.id)
+        try:
+            return self.cluster.wait_until_gone(self.id, timeout)
+        except TimeoutError as err:
+            raise AssertionError(f"{err}\n{self.output()}") from None
 
     def wait_for_requeues(self, count: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -152,7 +133,7 @@ def epochs_logged(out: Path) -> list[dict]:
 def unbroken(cluster: SlurmCluster, data: Path, tmp_path_factory: pytest.TempPathFactory) -> Job:
     """The page's first batch script (srun, no requeue), run to its end: the weights every stopped run
     must end with."""
-    (script,) = [script for script in sbatch_scripts() if "--requeue" not in script]
+    (script,) = [script for script in sbatch_scripts(PAGE) if "--requeue" not in script]
     job = Job(cluster, script, data, tmp_path_factory.mktemp("unbroken")).submit()
     fields = job.wait_until_gone()
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", f"{fields}\n{job.output()}"
@@ -188,6 +169,37 @@ def test_srun_two_tasks_evaluate_exactly(unbroken: Job, data: Path) -> None:
                                        "and without per-task binding (TaskPlugin=task/none) that is the whole node")
 def test_srun_two_tasks_train_as_torchrun(unbroken: Job, unbroken_torchrun: dict[str, torch.Tensor]) -> None:
     assert max_difference(unbroken.weights(), unbroken_torchrun) == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_what_srun_does_with_a_signal_it_gets(cluster: SlurmCluster, data: Path, tmp_path: Path,
+                                              signum: signal.Signals) -> None:
+    """The launcher table: srun answers a SIGTERM of its own with SIGKILL to every task (nothing saved), and
+    passes SIGUSR1 on (every rank stops at a step and saves it)."""
+    record = tmp_path / "samples"
+    record.mkdir()
+    env = job_env(cluster, PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}", RECORD_SAMPLES=str(record))
+    with open(tmp_path / "log", "w") as log:
+        srun = subprocess.Popen(["srun", "--ntasks=2", "python", "train_multi_gpu_using_launch.py", "--data-path",
+                                 str(data), "--output-dir", str(tmp_path / "run"), *FLAGS], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while samples_loaded(record) < 6:  # each process has taken its first batch
+            assert srun.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.05)
+        srun.send_signal(signum)
+        srun.wait(timeout=60)
+    finally:
+        if srun.poll() is None:
+            srun.kill()
+    output = (tmp_path / "log").read_text()
+    if signum == signal.SIGTERM:
+        assert "srun: forcing job termination" in output and "Stopped by" not in output, output[-3000:]
+        assert srun.returncode != 143 and not (tmp_path / "run" / "checkpoint.pth").exists()
+    else:
+        assert srun.returncode == 143 and "Stopped by SIGUSR1 at epoch 0, step " in output, output[-3000:]
+        assert torch.load(tmp_path / "run" / "checkpoint.pth", weights_only=True)["progress"]["epoch"] == 0
 
 
 # ---- stopped by SLURM, and the run that goes on ------------------------------------------------------------------
@@ -248,6 +260,23 @@ def test_scancel_mid_epoch_leaves_the_checkpoint_of_a_step_and_the_next_job_goes
     assert max_difference(unbroken_weights(launcher, request), job.weights()) == 0
 
 
+def test_a_preempted_job_stops_at_a_step_and_slurm_requeues_it(cluster: SlurmCluster, data: Path, tmp_path: Path,
+                                                                unbroken: Job) -> None:
+    """A job of a higher partition takes the node: SLURM signals every process of this job, srun too (whose
+    SIGKILL slurmctld refuses for a job it is ending), and puts the job back in the queue itself."""
+    job = Job(cluster, requeue_scripts()["python"], data, tmp_path).submit()
+    job.wait_until_training(0)
+    urgent = cluster.sbatch("--partition=urgent", "--ntasks=2", "--output=/dev/null", "--wrap=sleep 1",
+                            env=job_env(cluster))
+    job.wait_for_requeues(1)
+    assert cluster.wait_until_gone(urgent)["JobState"] == "COMPLETED"
+    fields = job.wait_until_gone()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{job.output()}"
+    stops, resumes = stops_and_resumes(job)
+    assert len(stops) == len(resumes) == 1, job.output()
+    assert max_difference(unbroken.weights(), job.weights()) == 0
+
+
 def listening_ports() -> set[int]:
     """The TCP ports something on this machine listens on."""
     ports = set()
@@ -274,10 +303,7 @@ def test_two_jobs_on_one_node_meet_on_ports_of_their_own(cluster: SlurmCluster, 
         seen_together = ports <= listening_ports()
         time.sleep(0.1)
     for job, name in zip(jobs, ("first", "second"), strict=True):
-        fields = cluster.job(job)
-        while fields["JobState"] not in ENDED:
-            time.sleep(0.2)
-            fields = cluster.job(job)
+        fields = cluster.wait_until_gone(job)
         log = (tmp_path / f"{name}.log").read_text()
         assert fields["JobState"] == "COMPLETED", f"{fields}\n{log[-3000:]}"
         assert epochs_logged(tmp_path / name)[0]["world_size"] == 2
