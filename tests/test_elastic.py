@@ -30,8 +30,10 @@ pytestmark = pytest.mark.slow
 PAGE = REPO / "docs" / "clusters.md"
 DATA_PATH, OUTPUT_DIR = "/shared/flower_photos", "/shared/runs/flowers"  # the page's paths
 FLAGS = [*TINY_FLAGS, "--batch-size", "3", "--lr", "0.002"]
-# After a change, the agents wait this long for more machines (torchrun's default is 30 s) before they start.
-LAST_CALL_S = 1
+# After a change, the agents wait this long for more machines (30 s by default) before they start again.
+# (Shorter heartbeats would save the wait for the machine that left, but on 2 busy cores an agent then
+# takes a late heartbeat of the other for a departure.)
+RDZV_CONF = "--rdzv-conf=last_call_timeout=1"
 
 
 def page_command(marker: str) -> str:
@@ -57,7 +59,7 @@ def as_agent(command: str, endpoint: str, data: Path, out: Path, **env: str) -> 
                    re.sub(r"^--nproc_per_node=\d+", "--nproc_per_node=1", word)) for word in words[1:]]
     script = next(i for i, word in enumerate(args) if word.endswith(".py"))
     args[script] = str(REPO / args[script])
-    torchrun_flags = [f"--rdzv-conf=last_call_timeout={LAST_CALL_S}"] if "--nnodes=1:" in command else []
+    torchrun_flags = [RDZV_CONF] if "--nnodes=1:" in command else []
     return ([sys.executable, "-m", "torch.distributed.run", *torchrun_flags, *args, *FLAGS],
             script_env(**variables, **env))
 

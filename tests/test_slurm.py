@@ -217,29 +217,36 @@ def unbroken_weights(launcher: str, request: pytest.FixtureRequest) -> dict[str,
         "unbroken_torchrun")
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
-def test_the_time_limit_warning_stops_requeues_and_finishes_with_the_unbroken_weights(
-        cluster: SlurmCluster, data: Path, tmp_path: Path, launcher: str, request: pytest.FixtureRequest) -> None:
-    """The page's requeue script, warned as --signal=B:USR1@90 warns it: srun alone twice (a job requeued
-    twice, its log appended to), srun + torchrun once."""
+@pytest.mark.parametrize(("launcher", "stops"), [("python", ["warning", "preemption"]), ("torchrun", ["warning"])],
+                         ids=["srun-warned-then-preempted", "srun-torchrun-warned"])
+def test_the_warning_and_preemption_requeue_the_job_and_it_ends_with_the_unbroken_weights(
+        cluster: SlurmCluster, data: Path, tmp_path: Path, launcher: str, stops: list[str],
+        request: pytest.FixtureRequest) -> None:
+    """The page's requeue script, stopped in the middle of an epoch by the time-limit warning (as
+    --signal=B:USR1@90 sends it: the script requeues the job) or by a job of a higher partition that takes
+    the node (SLURM signals every process, srun too, and requeues the job itself). srun alone is stopped
+    both ways, one after the other: a job requeued twice, its log appended to."""
     job = Job(cluster, requeue_scripts()[launcher], data, tmp_path).submit()
-    warnings = 2 if launcher == "python" else 1
     loaded = 0
-    for warned in range(1, warnings + 1):
+    for requeues, stop in enumerate(stops, start=1):
         job.wait_until_training(loaded)
-        cluster.command("scancel", "--signal=USR1", "--batch", str(job.id))
-        job.wait_for_requeues(warned)
+        if stop == "warning":
+            cluster.command("scancel", "--signal=USR1", "--batch", str(job.id))
+        else:
+            cluster.sbatch("--partition=urgent", "--ntasks=2", "--output=/dev/null", "--wrap=sleep 1",
+                           env=job_env(cluster))
+        job.wait_for_requeues(requeues)
         loaded = job.loaded()  # the stopped run's; the next one starts seconds later
     fields = job.wait_until_gone(timeout=300)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == str(warnings), f"{fields}\n{job.output()}"
-    stops, resumes = stops_and_resumes(job)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == str(len(stops)), f"{fields}\n{job.output()}"
+    stops_logged, resumes = stops_and_resumes(job)
     # --open-mode=append: the log still holds what the first run wrote (SLURM truncates it otherwise).
-    assert len(stops) == len(resumes) == warnings, job.output()
+    assert len(stops_logged) == len(resumes) == len(stops), job.output()
     assert max_difference(unbroken_weights(launcher, request), job.weights()) == 0
     assert [m["epoch"] for m in epochs_logged(job.out)] == [0, 1]
 
 
-@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+@pytest.mark.parametrize("launcher", ["python", "torchrun"], ids=["srun", "srun-torchrun"])
 def test_scancel_mid_epoch_leaves_the_checkpoint_of_a_step_and_the_next_job_goes_on_from_it(
         cluster: SlurmCluster, data: Path, tmp_path: Path, launcher: str, request: pytest.FixtureRequest) -> None:
     """`scancel JOB`: what the time limit and preemption do. SLURM signals the batch script and srun as well,
@@ -258,23 +265,6 @@ def test_scancel_mid_epoch_leaves_the_checkpoint_of_a_step_and_the_next_job_goes
     assert fields["JobState"] == "COMPLETED", f"{fields}\n{job.output()}"
     assert f"Resuming from {job.out / 'checkpoint.pth'} at epoch 0, step {progress['step']}" in job.log.read_text()
     assert max_difference(unbroken_weights(launcher, request), job.weights()) == 0
-
-
-def test_a_preempted_job_stops_at_a_step_and_slurm_requeues_it(cluster: SlurmCluster, data: Path, tmp_path: Path,
-                                                                unbroken: Job) -> None:
-    """A job of a higher partition takes the node: SLURM signals every process of this job, srun too (whose
-    SIGKILL slurmctld refuses for a job it is ending), and puts the job back in the queue itself."""
-    job = Job(cluster, requeue_scripts()["python"], data, tmp_path).submit()
-    job.wait_until_training(0)
-    urgent = cluster.sbatch("--partition=urgent", "--ntasks=2", "--output=/dev/null", "--wrap=sleep 1",
-                            env=job_env(cluster))
-    job.wait_for_requeues(1)
-    assert cluster.wait_until_gone(urgent)["JobState"] == "COMPLETED"
-    fields = job.wait_until_gone()
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", f"{fields}\n{job.output()}"
-    stops, resumes = stops_and_resumes(job)
-    assert len(stops) == len(resumes) == 1, job.output()
-    assert max_difference(unbroken.weights(), job.weights()) == 0
 
 
 def listening_ports() -> set[int]:
