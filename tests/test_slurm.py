@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
+from conftest import REPO, TINY_FLAGS, make_image_folder, run, script_env, torchrun
 from slurm_cluster import SlurmCluster, for_this_machine, sbatch_scripts, start_cluster, why_no_cluster
 
 WHY_SKIP = why_no_cluster()
@@ -109,9 +109,12 @@ class Job:
             raise AssertionError(f"{err}\n{self.output()}") from None
 
     def wait_for_requeues(self, count: int, timeout: float = 120) -> None:
+        """Until the job has been put back in the queue `count` times; fails at once if it ended instead."""
         deadline = time.monotonic() + timeout
-        while int(self.cluster.job(self.id)["Restarts"]) < count:
-            assert time.monotonic() < deadline, f"job {self.id} not requeued within {timeout} s\n{self.output()}"
+        while int((fields := self.cluster.job(self.id))["Restarts"]) < count:
+            ended = fields["JobState"] not in {"PENDING", "RUNNING", "REQUEUED", "PREEMPTED", "COMPLETING"}
+            assert not ended and time.monotonic() < deadline, (f"job {self.id} not requeued {count} time(s): "
+                                                               f"{fields['JobState']}\n{self.output()}")
             time.sleep(0.2)
 
     def output(self) -> str:
@@ -152,15 +155,22 @@ def unbroken_torchrun(data: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
 # ---- srun: the ranks, the master, exact evaluation ---------------------------------------------------------------
 
-def test_srun_two_tasks_evaluate_exactly(unbroken: Job, data: Path) -> None:
+def test_srun_two_tasks_evaluate_exactly_and_the_batch_script_alone_is_one_process(
+        cluster: SlurmCluster, unbroken: Job, data: Path, tmp_path: Path) -> None:
+    """Two tasks of srun count the 7 validation images (2 processes cannot split them evenly) as one
+    process does on the same weights; that process is the launch script run inside a batch script without
+    srun, which is one process."""
     assert "(slurm, gloo): rank 1/2" in unbroken.output()
     last = epochs_logged(unbroken.out)[-1]
     assert [m["epoch"] for m in epochs_logged(unbroken.out)] == [0, 1] and last["world_size"] == 2
-    # 7 validation images on 2 processes: the same count as one process on the same weights.
-    alone = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(data), "--output-dir",
-                 str(unbroken.out), *FLAGS, "--eval-only", "--weights", str(unbroken.out / "weights" / "model-1.pth")])
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    evaluated = json.loads(alone.stdout.splitlines()[-1])
+    command = " ".join(["python", "train_multi_gpu_using_launch.py", "--data-path", str(data), "--output-dir",
+                        str(unbroken.out), *FLAGS, "--eval-only", "--weights",
+                        str(unbroken.out / "weights" / "model-1.pth")])
+    alone = cluster.sbatch(f"--chdir={REPO}", f"--output={tmp_path / 'log'}", f"--wrap={command}",
+                           env=job_env(cluster))
+    fields, output = cluster.wait_until_gone(alone), (tmp_path / "log").read_text()
+    assert fields["JobState"] == "COMPLETED" and "distributed init" not in output, output[-3000:]
+    evaluated = json.loads(output.splitlines()[-1])
     assert last["val_total"] == 7
     assert (last["val_correct"], last["val_total"]) == (evaluated["val_correct"], evaluated["val_total"])
 
