@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import UserInputError
-from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
+from .launch import Launch, check_one_gpu_per_process, cpu_threads_for, detect_launch
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,8 @@ def process_context(launch: Launch, device: str | None) -> DistContext:
         check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
     ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
                       resolve_device(device, launch.local_rank, distributed), distributed)
-    if ctx.device.type == "cpu":
-        # SLURM gives each task its own CPUs already (--cpus-per-task); the others share the machine's.
-        torch.set_num_threads(cpu_threads_per_process(1 if launch.source == "slurm" else ctx.local_world_size))
+    if ctx.device.type == "cpu":  # every process otherwise starts one thread per core, and they fight
+        torch.set_num_threads(cpu_threads_for(launch, os.environ))
     use_device(ctx.device)
     return ctx
 

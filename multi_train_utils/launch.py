@@ -113,3 +113,13 @@ def usable_cpus() -> int:
 def cpu_threads_per_process(local_world_size: int) -> int:
     """Share the cores: every process otherwise starts one thread per core and they fight (3x slower)."""
     return max(1, usable_cpus() // local_world_size)
+
+
+def cpu_threads_for(launch: Launch, env: Mapping[str, str]) -> int:
+    """This process's share of the cores: SLURM's --cpus-per-task for a task of srun (whether or not SLURM binds
+    each task to cores of its own: without that, each would take all the node's), else the usable CPUs shared
+    by the processes on this machine."""
+    cpus_per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if launch.source == "slurm" and cpus_per_task.isdigit() and int(cpus_per_task) > 0:
+        return min(int(cpus_per_task), usable_cpus())
+    return cpu_threads_per_process(launch.local_world_size)

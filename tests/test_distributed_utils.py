@@ -28,7 +28,9 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.errors import QuietExit, UserInputError
 from multi_train_utils.launch import (
     SLURM_PORT_BASE,
+    Launch,
     check_one_gpu_per_process,
+    cpu_threads_for,
     cpu_threads_per_process,
     detect_launch,
     first_host,
@@ -129,6 +131,20 @@ def test_gpu_of_each_process(monkeypatch: pytest.MonkeyPatch, visible: int, loca
     if visible > 1:
         with pytest.raises(UserInputError, match=f"GPU {visible} asked for, but only {visible} visible"):
             resolve_device("cuda", visible, distributed=True)
+
+
+@pytest.mark.parametrize(("env", "threads"), [
+    ({"SLURM_CPUS_PER_TASK": "3"}, 3),  # a task of srun: its --cpus-per-task, bound to cores or not
+    ({"SLURM_CPUS_PER_TASK": "64"}, 8),  # but never more than it may use
+    ({}, 4),  # srun without --cpus-per-task: the node's usable cores shared by its 2 tasks
+])
+def test_a_slurm_task_takes_its_cpus_per_task(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+                                              threads: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    task = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="slurm")
+    assert cpu_threads_for(task, env) == threads
+    torchrun = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="torchrun")
+    assert cpu_threads_for(torchrun, {"SLURM_CPUS_PER_TASK": "3"}) == 4, "torchrun inside a job shares the cores"
 
 
 def test_cores_are_shared_between_processes_on_a_machine() -> None:

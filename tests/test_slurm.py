@@ -175,8 +175,6 @@ def test_srun_two_tasks_evaluate_exactly_and_the_batch_script_alone_is_one_proce
     assert (last["val_correct"], last["val_total"]) == (evaluated["val_correct"], evaluated["val_total"])
 
 
-@pytest.mark.xfail(strict=True, reason="engine: under srun, each task takes every core its CPU affinity allows, "
-                                       "and without per-task binding (TaskPlugin=task/none) that is the whole node")
 def test_srun_two_tasks_train_as_torchrun(unbroken: Job, unbroken_torchrun: dict[str, torch.Tensor]) -> None:
     assert max_difference(unbroken.weights(), unbroken_torchrun) == 0
 
