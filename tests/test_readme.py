@@ -39,10 +39,7 @@ NOT_RUN = [
     (r"^python -m pytest", "the test suite itself"),
     (r"^CUDA_VISIBLE_DEVICES=", "needs two GPUs"),
     (r"--syncBN|--prefix syncbn_", "the SyncBN comparison needs GPUs: PyTorch's SyncBatchNorm refuses CPU modules"),
-    (r"--nnodes=", "needs a second machine"),
-    (r"^srun ", "needs SLURM"),
-    (r"^(training=|trap |wait |if \[|exit )",
-     "the sbatch script around srun: test_preemption.py runs it with stand-ins for srun and scontrol"),
+    (r"--nnodes=", "needs a second machine: tests/test_elastic.py runs it with two agents on 127.0.0.1"),
     (r"^tensorboard ", "starts a web server; test_recorder.py reads the same events with TensorBoard's reader"),
     (r"resnet34-333f7ec4\.pth", "needs the flower_photos data set and ImageNet weights (downloads)"),
 ]
