@@ -72,7 +72,7 @@ def train_one_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data_loa
             if (i + 1) % LOG_EVERY == 0:
                 stop_if_diverged(state.non_finite, epoch, i)
                 bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-    stop_if_diverged(state.non_finite, epoch, len(data_loader))
+    stop_if_diverged(state.non_finite, epoch, len(data_loader) - 1)
     totals = reduce_value(torch.stack([state.loss_sum, torch.tensor(float(state.images), device=device)]),
                           average=False)
     return (totals[0] / totals[1]).item()

@@ -34,8 +34,6 @@ NOT_RUN = [
     (r"^python3 -m venv |^\. \.venv/bin/activate$|^pip install",
      "set-up: makes a venv and downloads packages (test_the_test_command_is_what_ci_runs checks it)"),
     (r"^ruff check", "CI runs it itself, in .ci/run"),
-    (r"^rm |--model mycnn|photos\.csv|--opt rmsprop|runs/top5",
-     "a recipe of Change it: test_change_it.py runs it on a copy with its change applied"),
     (r"^python -m pytest", "the test suite itself"),
     (r"^CUDA_VISIBLE_DEVICES=", "needs two GPUs"),
     (r"--syncBN|--prefix syncbn_", "the SyncBN comparison needs GPUs: PyTorch's SyncBatchNorm refuses CPU modules"),
@@ -78,8 +76,10 @@ def commands_of(block: str) -> list[str]:
 
 
 def readme_commands() -> list[str]:
-    """Every command of every page's bash blocks but batch scripts (test_slurm.py runs those), in page order."""
-    return [command for page in PAGES for block in fenced_blocks("bash", TEXTS[page])
+    """Every command of every page's bash blocks, in page order; but batch scripts (test_slurm.py runs those), and
+    the recipes of Change it (test_change_it.py runs each on a copy with its change applied)."""
+    texts = [TEXTS[page].replace(CHANGE_IT, "") for page in PAGES]
+    return [command for text in texts for block in fenced_blocks("bash", text)
             if not block.startswith("#!/") for command in commands_of(block)]
 
 

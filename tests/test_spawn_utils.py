@@ -69,7 +69,7 @@ def test_a_preset_master_port_is_used_and_not_replaced(monkeypatch: pytest.Monke
         spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
     assert exit_info.value.code == 2
     errors = capfd.readouterr().err.strip().splitlines()
-    assert errors == [f"error (rank 0): MASTER_PORT {taken_port}: another program listens on that port; choose a "
+    assert errors == [f"error: MASTER_PORT {taken_port}: another program listens on that port; choose a "
                       "free one, or unset MASTER_PORT for the spawn script to pick one"], errors
 
 
