@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .errors import Preempted, UserInputError, exit_code, exit_quietly, stop_when_launcher_dies
 from .launch import Launch, check_one_gpu_per_process, cpu_threads_per_process, detect_launch
+from .versions import abort_process_group, default_store, has_default_store
 
 # How long a failing process asks the process group's key-value store before it gives up on it (not the
 # --dist-timeout of the collectives: the store's host may be gone with the rest of the job).
@@ -192,11 +193,11 @@ def stalled_rank_error(err: BaseException, ctx: DistContext, settle_s: float = 2
     NCCL, PyTorch's own watchdog ends the processes on a time-out and names the collective instead.
     """
     # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
-    if not (isinstance(err, RuntimeError) and is_dist_avail_and_initialized()
+    if not (isinstance(err, RuntimeError) and is_dist_avail_and_initialized() and has_default_store()
             and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         store.set(f"timed_out/{ctx.rank}", "1")
         time.sleep(settle_s)
@@ -218,7 +219,7 @@ def cleanup(failed: bool = False) -> None:
     if not is_dist_avail_and_initialized():
         return
     if failed and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
+        abort_process_group()
     else:
         dist.destroy_process_group()
 
@@ -252,10 +253,10 @@ def leave_process_group_at_exit(ctx: DistContext) -> Iterator[None]:
 def first_to_stop() -> bool:
     """Whether this is the first process of the job to stop, counted in the process group's key-value
     store. A store that no longer answers was kept by a process that has stopped already."""
-    if not is_dist_avail_and_initialized():
+    if not is_dist_avail_and_initialized() or not has_default_store():
         return True
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return store.add("processes_stopped", 1) == 1
     except Exception:  # the store's host is gone: it stopped first
@@ -265,10 +266,10 @@ def first_to_stop() -> bool:
 def another_process_failed() -> bool:
     """Whether a process of the job has already stopped on an error (first_to_stop counted it), or the
     store that counts them no longer answers."""
-    if not is_dist_avail_and_initialized():
+    if not is_dist_avail_and_initialized() or not has_default_store():
         return False
     try:
-        return dist.distributed_c10d._get_default_store().check(["processes_stopped"])
+        return default_store().check(["processes_stopped"])
     except Exception:  # the store's host is gone
         return True
 
