@@ -6,7 +6,8 @@ run when the package is first imported). Why the oldest pair is torch 2.6 with t
 - torch 2.6 brought ProcessContext.join(grace_period=...), with which the spawn script gives the other processes
   a few seconds to exit on their own after one failed, and kills those stuck in a collective a few seconds
   later. Older releases send SIGTERM at once and SIGKILL only after 30 s; doing otherwise there would mean
-  copying join()'s own handling of the processes.
+  copying join()'s own handling of the processes. (2.6 also brought _abort_process_group, needed since 2.6's
+  destroy_process_group waits for NCCL's collectives in flight; before, it aborted them itself.)
 - torchvision 0.21 is the release built for torch 2.6 (its wheels require torch 2.6.0 exactly). It made
   RandomResizedCrop.make_params public, which --decode-on gpu draws its crops with.
 
