@@ -58,6 +58,10 @@ sys.path.insert(0, str(REPO))  # run as `python bench/gpu_check.py` from anywher
 
 import torch
 
+from multi_train_utils.versions import require_supported_pytorch
+
+require_supported_pytorch()  # on an older PyTorch: one line, before any part starts and fails on it
+
 # The demo run on this repository's 2-core CPU (README, "One process or two"): 0.967, and 0.925-0.967 over
 # its last six epochs, so a GPU run within that spread has learnt the same.
 CPU_DEMO_ACCURACY = 0.967

@@ -20,6 +20,12 @@ Each module has one concern, named for it:
 import importlib
 from typing import Any
 
+from .versions import require_supported_pytorch
+
+# Every program here imports this package before it does any work: on a PyTorch older than the oldest
+# supported one, it stops here with one line instead of failing later on a missing function.
+require_supported_pytorch()
+
 _HOMES = {
     "DistContext": "distributed_utils", "cleanup": "distributed_utils", "get_rank": "distributed_utils",
     "get_world_size": "distributed_utils", "init_distributed_mode": "distributed_utils",

@@ -9,6 +9,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from .distributed_utils import DistContext, is_dist_avail_and_initialized, print_main
+from .versions import uncompiled
 
 COMM_HOOKS = ("none", "bf16", "fp16")
 
@@ -51,7 +52,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """The plain model inside DDP and torch.compile: what gets saved (no `module.` or `_orig_mod.`
     prefix) and evaluated."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
-    return getattr(model, "_orig_mod", model)  # under torch.compile's wrapper
+    return uncompiled(model)
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .errors import UserInputError
 from .launch import Launch, check_one_gpu_per_process, cpu_threads_for, detect_launch
+from .versions import abort_process_group
 
 
 @dataclass(frozen=True)
@@ -180,11 +181,6 @@ def cleanup(failed: bool = False) -> None:
         abort_process_group()
     else:
         dist.destroy_process_group()
-
-
-def abort_process_group() -> None:
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    abort() if abort else dist.destroy_process_group()
 
 
 def is_dist_avail_and_initialized() -> bool:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
 from .errors import Preempted, QuietExit, Terminated, UserInputError, exit_code, one_line, report
+from .versions import default_store, has_default_store
 
 # SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
 # scheduler sends last.
@@ -126,14 +127,14 @@ def exit_quietly(code: int) -> NoReturn:
     raise QuietExit(code)
 
 
-def default_store() -> dist.Store | None:
+def reachable_store() -> dist.Store | None:
     """The process group's key-value store, with a short time-out, or None where it is gone (its host ended:
     under torchrun the agent, else rank 0). Once gone it is not asked again: every failed call makes PyTorch
     print a page of C++ frames."""
     if _Ending.store_gone or not is_dist_avail_and_initialized():
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     except Exception:
         _Ending.store_gone = True
@@ -143,8 +144,11 @@ def default_store() -> dist.Store | None:
 
 def first_to_stop() -> bool:
     """Whether this is the first process of the job to stop, counted in the process group's key-value
-    store. A store that no longer answers was kept by a process that has stopped already."""
-    store = default_store()
+    store. A store that no longer answers was kept by a process that has stopped already. Without the store
+    (a PyTorch that does not lend it), each process explains itself, as without a process group."""
+    if not has_default_store():
+        return True
+    store = reachable_store()
     try:
         return store is not None and store.add("processes_stopped", 1) == 1
     except Exception:
@@ -155,9 +159,9 @@ def first_to_stop() -> bool:
 def another_process_failed() -> bool:
     """Whether a process of the job has already stopped on an error (first_to_stop counted it), or the
     store that counts them is gone."""
-    if not is_dist_avail_and_initialized():
+    if not is_dist_avail_and_initialized() or not has_default_store():
         return False
-    store = default_store()
+    store = reachable_store()
     try:
         return store is None or store.check(["processes_stopped"])
     except Exception:
@@ -180,7 +184,7 @@ def stalled_rank_error(err: BaseException, rank: int, settle_s: float = 2.0) -> 
     # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
     if not (isinstance(err, RuntimeError) and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
         return None
-    store = default_store()
+    store = reachable_store() if has_default_store() else None
     if store is None:
         return None
     try:

@@ -14,15 +14,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .distributed_utils import print_main
 from .errors import UserInputError
 from .transforms import to_model_input
+from .versions import cpu_has_bf16
 
 AMP_CHOICES = ("off", "auto", "bf16", "fp16")
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX). Without them, bf16 autocast is
-    emulated, and was 25 times slower than float32 for ResNet-34 on an AVX2-only CPU."""
-    return any(getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
-                                                                      "_is_amx_tile_supported"))
 
 
 def autocast_dtype(amp: str, device: torch.device) -> torch.dtype | None:

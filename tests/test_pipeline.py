@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms.v2 import functional as F
 
 import multi_train_utils.data as data
 from conftest import REPO, requires_cuda
@@ -76,20 +77,31 @@ def old_and_new(path: Path, transform_index: int, seed: int, image_size: int = 2
     return expected, got
 
 
+def resizes_uint8_like_pillow() -> bool:
+    """Whether transforms.v2 resizes uint8 images with torch's uint8 kernel, which rounds as Pillow does, rather
+    than through float32. Before torchvision 0.24 it took the uint8 kernel only on CPUs that torch reports as
+    AVX2, not on AVX-512 ones (pytorch/vision#8374); the two give the same pixels only when it takes it."""
+    image = torch.randint(0, 256, (3, 40, 50), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    uint8_kernel = torch.nn.functional.interpolate(image[None], size=(17, 23), mode="bilinear", antialias=True)[0]
+    return torch.equal(F.resize(image, [17, 23], antialias=True), uint8_kernel)
+
+
 @pytest.mark.parametrize("transform_index", [0, 1], ids=["train", "val"])
 def test_the_model_sees_what_the_float32_pil_pipeline_gave_within_rounding(tmp_path: Path,
                                                                            transform_index: int) -> None:
     """Both crop the same box and resize it with an antialiased bilinear filter, rounding to uint8 after
     resizing; their fixed-point arithmetic differs in the last bit, so a pixel may be one level of 255 off
     (0.0175 after the normalisation). Measured here and on eight real 500 x 375 photos, six crops each:
-    at most 1 level, 0.001 levels on average."""
+    at most 1 level, 0.001 levels on average. Resized through float32 instead (resizes_uint8_like_pillow),
+    this image is still at most 1 level off, 0.17 on average."""
     path = photo_like(tmp_path / "photo.jpg")
+    mean_limit = 0.02 if resizes_uint8_like_pillow() else 0.25
     for seed in range(6 if transform_index == 0 else 1):
         expected, got = old_and_new(path, transform_index, seed)
         assert got.shape == expected.shape == (3, 224, 224) and got.dtype == torch.float32
         levels = (got - expected).abs() * torch.tensor(IMAGENET_STD).view(3, 1, 1) * 255
         assert levels.max() <= 1.01, f"seed {seed}: a pixel {levels.max():.2f} levels off"
-        assert levels.mean() < 0.02, f"seed {seed}: {levels.mean():.4f} levels off on average"
+        assert levels.mean() < mean_limit, f"seed {seed}: {levels.mean():.4f} levels off on average"
 
 
 def test_the_step_normalises_uint8_batches_on_the_device_in_the_memory_format() -> None:

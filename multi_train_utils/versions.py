@@ -1,0 +1,104 @@
+"""Which PyTorch releases this code runs on, and what differs between them.
+
+The oldest supported pair is the one requirements.txt names and CI tests (.ci/oldest); the newest is whatever
+pip installs. Every program stops with one line where an older pair is installed (`require_supported_pytorch`,
+run when the package is first imported). Why the oldest pair is torch 2.6 with torchvision 0.21:
+- torch 2.6 brought ProcessContext.join(grace_period=...), with which the spawn script gives the other processes
+  a few seconds to exit on their own after one failed, and kills those stuck in a collective a few seconds
+  later. Older releases send SIGTERM at once and SIGKILL only after 30 s; doing otherwise there would mean
+  copying join()'s own handling of the processes. (2.6 also brought _abort_process_group, needed since 2.6's
+  destroy_process_group waits for NCCL's collectives in flight; before, it aborted them itself.)
+- torchvision 0.21 is the release built for torch 2.6 (its wheels require torch 2.6.0 exactly). It made
+  RandomResizedCrop.make_params public, which --decode-on gpu draws its crops with.
+
+The private PyTorch functions the engine uses are reached only from here, each behind a check that it exists
+and a fallback for a release without it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+
+from .errors import report
+
+OLDEST_TORCH = (2, 6)
+OLDEST_TORCHVISION = (0, 21)
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a release number: {version!r}")
+    return int(found[1]), int(found[2])
+
+
+def unsupported_pytorch(torch_version: str, torchvision_version: str) -> str | None:
+    """The one-line error for a torch/torchvision pair older than the oldest supported one, or None."""
+    if release(torch_version) >= OLDEST_TORCH and release(torchvision_version) >= OLDEST_TORCHVISION:
+        return None
+    return (f"error: installed are torch {torch_version} and torchvision {torchvision_version}; this needs torch >= "
+            f"{dotted(OLDEST_TORCH)} and torchvision >= {dotted(OLDEST_TORCHVISION)} "
+            "(pip install -U -r requirements.txt)")
+
+
+def dotted(release_number: tuple[int, int]) -> str:
+    return ".".join(map(str, release_number))
+
+
+def require_supported_pytorch() -> None:
+    """Exit with code 2 and one line, before any work, where the installed PyTorch is older than supported."""
+    problem = unsupported_pytorch(torch.__version__, torchvision.__version__)
+    if problem is not None:
+        report(problem)
+        sys.exit(2)
+
+
+def abort_process_group() -> None:
+    """End the default process group's NCCL communicators at once, without waiting for the collectives in
+    flight, which ranks that have failed will never finish."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; torch 2.6 to 2.14 have it
+    if abort is not None:
+        abort()
+    else:
+        # What _abort_process_group does to each group, public since torch 2.7; the group stays registered,
+        # which matters to nobody here: the process is on its way out after a failure.
+        dist.group.WORLD.abort()
+
+
+def has_default_store() -> bool:
+    """Whether the key-value store the processes met in can be reached (see default_store)."""
+    return hasattr(dist.distributed_c10d, "_get_default_store")
+
+
+def default_store() -> dist.Store:
+    """The key-value store of the default process group, shared by every process of the job.
+
+    Private in every release up to 2.14 at least. Callers check has_default_store() first, and without a
+    store behave as a job without a process group would: each failing process explains itself, and a time-out
+    is reported as it came, without naming the ranks that stopped answering.
+    """
+    return dist.distributed_c10d._get_default_store()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX). Without them, bf16 autocast is
+    emulated, and was 25 times slower than float32 for ResNet-34 on an AVX2-only CPU."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # public since torch 2.11
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_tile"))
+    # Before 2.11, private functions that ask the same CPU flags
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module torch.compile wrapped (its wrapper keeps it as the private `_orig_mod`), or `model` itself
+    where it is not a compiled wrapper: its own weights, without the wrapper's `_orig_mod.` key prefix."""
+    return getattr(model, "_orig_mod", model)
