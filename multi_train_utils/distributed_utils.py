@@ -7,6 +7,7 @@ ask "am I distributed?" before printing, saving or reducing.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -177,6 +178,9 @@ def cleanup(failed: bool = False) -> None:
     """
     if not is_dist_avail_and_initialized():
         return
+    # The DDP wrapper, freed by the garbage collector whenever it runs, must not take the last reference to the
+    # group with it: gloo's group, destroyed from inside it, can wait for a thread that waits for the GIL.
+    gc.collect()
     if failed and dist.get_backend() == "nccl":
         abort_process_group()
     else:
