@@ -14,6 +14,7 @@ Each module has one concern, named for it:
   a run's files      checkpoint (what resumes a run), recorder (what a run writes), files (writes never left
                      half done, loads that name the file), confusion and pictures (what validation draws)
   flags              cli; errors (the ways a run ends early, in one line)
+  PyTorch releases   versions (which releases are supported, and the calls that differ between them)
   optional features  features lists them: ema, preemption, periodic_checkpoints, tensorboard_log; and gpu_decode
 """
 
