@@ -10,6 +10,7 @@ import datetime
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -37,6 +38,7 @@ class _Ending:
     under_way = False  # a stop or a failure is being handled: later stop signals change nothing
     store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
     launcher_gone = False  # the process that started this one has ended (stop_when_launcher_dies)
+    python_unraisablehook = sys.unraisablehook
 
 
 def stop_now(signum: int, frame: object = None) -> None:
@@ -53,6 +55,32 @@ def listen_for_stop_signals() -> None:
     its next step instead."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop_now)
+    if sys.unraisablehook is not raise_a_dropped_stop_again:
+        _Ending.python_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = raise_a_dropped_stop_again
+
+
+def raise_a_dropped_stop_again(unraisable: sys.UnraisableHookArgs) -> None:
+    """A stop raised while Python was running a finalizer (a generator closed by the garbage collector, a
+    `__del__`) is dropped there with an "Exception ignored" page, and the run would go on. Its signal comes
+    again instead, a moment later, when the main thread has left the finalizer."""
+    stop = unraisable.exc_value
+    if isinstance(stop, Terminated):
+        _Ending.under_way = False  # this stop never reached end_run
+        signum = signal.Signals[stop.signal_name]
+    elif isinstance(stop, KeyboardInterrupt):
+        signum = signal.SIGINT
+    else:
+        _Ending.python_unraisablehook(unraisable)
+        return
+    threading.Thread(target=signal_the_main_thread, args=(signum,), daemon=True, name="stop-again").start()
+
+
+def signal_the_main_thread(signum: int, after_s: float = 0.05) -> None:
+    # Not from inside the hook itself, which runs within the finalizer: the stop would be dropped again.
+    time.sleep(after_s)
+    if not _Ending.under_way:
+        signal.pthread_kill(threading.main_thread().ident, signum)
 
 
 def ending_under_way() -> bool:

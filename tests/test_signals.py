@@ -231,3 +231,31 @@ def test_a_stop_signalled_again_and_again_ends_once_and_quietly(small_data: Path
     assert job.returncode == 143, output[-3000:]
     assert len(re.findall(r"^Stopped by SIGTERM", output, re.MULTILINE)) == 1, output[-3000:]
     assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
+
+
+DROPPED_IN_A_FINALIZER = """
+import signal, time
+from multi_train_utils.errors import Terminated
+from multi_train_utils.shutdown import listen_for_stop_signals
+
+class Progress:  # like tqdm's bar, whose generator the garbage collector closes
+    def __del__(self):
+        signal.raise_signal(signal.{name})  # the signal lands while Python runs the finalizer
+
+listen_for_stop_signals()
+try:
+    Progress()
+    time.sleep(10)
+    print("went on training")
+except {caught} as stop:
+    print("stopped by", type(stop).__name__)
+"""
+
+
+@pytest.mark.parametrize(("name", "caught"), [("SIGTERM", "Terminated"), ("SIGINT", "KeyboardInterrupt")])
+def test_a_stop_that_lands_in_a_finalizer_is_not_dropped(name: str, caught: str) -> None:
+    """Python drops an exception raised inside a finalizer, with an "Exception ignored" page; the stop of a
+    signal that arrives there is raised again outside it (it was lost once torchrun's agent was killed)."""
+    result = subprocess.run([python(), "-c", DROPPED_IN_A_FINALIZER.format(name=name, caught=caught)], cwd=REPO,
+                            env=script_env(), capture_output=True, text=True, timeout=60)
+    assert (result.stdout, result.stderr) == (f"stopped by {caught}\n", "")
