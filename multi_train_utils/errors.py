@@ -14,6 +14,10 @@ class UserInputError(ValueError):
     """
 
 
+# SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
+# scheduler sends last.
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+
 # 128 + SIGTERM, what a process ended by SIGTERM reports: Kubernetes' ExitCode restart policy retries it
 # (128-255 are retryable), and the sbatch script of docs/clusters.md requeues the job on it.
 REQUEUE_EXIT_CODE = 128 + signal.SIGTERM

@@ -8,8 +8,11 @@ import errno
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,7 +23,7 @@ except ImportError:  # Windows
 
 import torch
 
-from .errors import UserInputError
+from .errors import STOP_SIGNALS, UserInputError
 
 PARTIAL_SUFFIX = ".partial"
 LOCK_NAME = ".lock"
@@ -34,9 +37,10 @@ def save_atomic(obj: object, path: Path) -> None:
     handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
     try:
         os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp's file is private; a saved file is not
-        with os.fdopen(handle, "wb") as file:
-            torch.save(obj, file)
-        os.replace(scratch, path)
+        with stops_held():
+            with os.fdopen(handle, "wb") as file:
+                torch.save(obj, file)
+            os.replace(scratch, path)
     except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(scratch)
@@ -44,6 +48,25 @@ def save_atomic(obj: object, path: Path) -> None:
             raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}; the files "
                                  "written before it are kept") from None
         raise
+
+
+@contextlib.contextmanager
+def stops_held() -> Iterator[None]:
+    """Ctrl-C or a stop signal during a write is acted on once the file is whole. Raised inside torch.save's
+    writer, its exception would be lost there, turned into "unexpected pos": a Ctrl-C read as a bad disk."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach only the main thread's handlers
+        return
+    held: list[int] = []
+    handlers = {signum: signal.signal(signum, lambda signum, frame: held.append(signum))
+                for signum in (signal.SIGINT, *STOP_SIGNALS)}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(held):
+            signal.raise_signal(signum)
 
 
 def remove_partial_files(folder: Path) -> None:

@@ -20,12 +20,9 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
-from .errors import Preempted, QuietExit, Terminated, UserInputError, exit_code, one_line, report
+from .errors import STOP_SIGNALS, Preempted, QuietExit, Terminated, UserInputError, exit_code, one_line, report
 from .versions import default_store, has_default_store
 
-# SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
-# scheduler sends last.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 # How long a failing process asks the process group's key-value store before it gives up on it (not the
 # --dist-timeout of the collectives: the store's host may be gone with the rest of the job).
 STORE_TIMEOUT_S = 5.0
@@ -37,7 +34,7 @@ KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU 
 class _Ending:
     under_way = False  # a stop or a failure is being handled: later stop signals change nothing
     store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
-    launcher_gone = False  # the process that started this one has ended (stop_when_launcher_dies)
+    launcher: int | None = None  # the process that started this one, where stop_when_launcher_dies watches it
     python_unraisablehook = sys.unraisablehook
 
 
@@ -115,6 +112,8 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
         barrier()  # no process ends before rank 0 has written the checkpoint and said so
         cleanup()
         raise QuietExit(err.code)
+    if launcher_gone() and not isinstance(err, (KeyboardInterrupt, Terminated)):
+        err = Terminated()  # whatever broke (a partner gone from a collective), the launcher's end caused it
     signalled = isinstance(err, (KeyboardInterrupt, Terminated))
     reason = err if signalled else stalled_rank_error(err, rank) or err
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
@@ -123,6 +122,7 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
     if not explains:
         exit_quietly(code)
     if signalled:
+        print(flush=True)  # the stop may have come while a progress bar drew its line, before it ended it
         report(stopped_line(reason, checkpoint))
     elif isinstance(reason, UserInputError):
         report(f"error: {one_line(reason)}")
@@ -134,7 +134,7 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
 def stopped_line(stop: BaseException, checkpoint: Path | None) -> str:
     """What a run stopped at once (Ctrl-C, or a signal outside the training steps) says."""
     cause = stop.signal_name if isinstance(stop, Terminated) else "Ctrl-C"
-    if _Ending.launcher_gone:
+    if launcher_gone():
         cause = "the end of the launcher that started this run"
     if checkpoint is not None and checkpoint.is_file():
         return f"Stopped by {cause}; the last checkpoint written, {checkpoint}, is kept; go on with --resume auto"
@@ -227,6 +227,16 @@ def stalled_rank_error(err: BaseException, rank: int, settle_s: float = 2.0) -> 
                             "answering")
 
 
+def launcher_gone() -> bool:
+    """Whether the watched launcher has ended: this process then has another parent. Asked directly, not
+    left to the watch: a rank whose watch saw it first stops, and its partner may fail before its own watch
+    sees it."""
+    gone = _Ending.launcher is not None and os.getppid() != _Ending.launcher
+    if gone and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _Ending.store_gone = True  # torchrun's agent kept the process group's store: it went with it
+    return gone
+
+
 def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = KILL_AFTER_S) -> None:
     """Stop this process within seconds if the process that started it dies.
 
@@ -236,14 +246,11 @@ def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float
     went with it, and is not asked again. SIGKILL follows if the stop cannot run (a main thread stuck
     waiting for a GPU).
     """
-    launcher = os.getppid()
+    _Ending.launcher = os.getppid()
 
     def watch() -> None:
-        while os.getppid() == launcher:
+        while not launcher_gone():
             time.sleep(poll_s)
-        _Ending.launcher_gone = True
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            _Ending.store_gone = True
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(kill_after_s)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -101,10 +101,13 @@ def ends_of_runs_are_undone() -> Iterator[None]:
     """Tests that run the scripts in this process (run_cli, end_run) change what a process changes once, at its
     end: the signal handlers, and that its end is under way. Each test starts from pytest's own."""
     handlers = {signum: signal.getsignal(signum) for signum in (*shutdown.STOP_SIGNALS, signal.SIGINT)}
+    unraisablehook = sys.unraisablehook
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
-    shutdown._Ending.under_way = shutdown._Ending.store_gone = shutdown._Ending.launcher_gone = False
+    sys.unraisablehook = unraisablehook
+    shutdown._Ending.under_way = shutdown._Ending.store_gone = False
+    shutdown._Ending.launcher = None
 
 
 @contextlib.contextmanager

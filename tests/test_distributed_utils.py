@@ -271,10 +271,24 @@ def test_only_the_first_process_to_stop_explains(connected: torch.distributed.St
 def test_a_signal_is_told_by_rank_0_without_asking_the_store(connected: torch.distributed.Store,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """Every process got Ctrl-C or the launcher's SIGTERM: the store (whose host may be ending too) is not asked."""
-    code, said = ended(KeyboardInterrupt(), 0, capsys)
-    assert code == 130 and said == "Stopped by Ctrl-C before any checkpoint was written\n"
+    print("[epoch 2] train:  67%|######6   | 2/3", end="")  # a bar the stop cut short, before its line ended
+    with pytest.raises(SystemExit) as stop:
+        shutdown.end_run(KeyboardInterrupt(), 0)
+    out, said = capsys.readouterr()
+    assert stop.value.code == 130 and said == "Stopped by Ctrl-C before any checkpoint was written\n"
+    assert out.endswith("\n"), "the line is its own in a terminal or a log holding both streams"
     assert ended(errors.Terminated("SIGTERM"), 1, capsys) == (143, "")
     assert not connected.check(["processes_stopped"])
+
+
+def test_once_the_launcher_is_gone_any_error_is_its_stop_and_rank_0_says_so(connected: torch.distributed.Store,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun's agent killed: the rank whose watch saw it first stops, and its partner fails in a collective
+    before its own watch sees it. That failure is the launcher's end too, told by rank 0, not by nobody."""
+    shutdown._Ending.launcher = os.getppid() + 1  # as if the process that started this one had ended
+    assert ended(RuntimeError("Connection closed by peer"), 0, capsys) == (
+        143, "Stopped by the end of the launcher that started this run before any checkpoint was written\n")
+    assert ended(RuntimeError("Connection closed by peer"), 1, capsys) == (143, "")
 
 
 def test_the_stop_line_names_the_checkpoint_only_when_there_is_one(tmp_path: Path) -> None:

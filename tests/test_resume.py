@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import signal
 from pathlib import Path
 from typing import BinaryIO
 
@@ -14,7 +15,7 @@ import torch
 import multi_train_utils.fit as engine
 import train_single_gpu
 from conftest import REPO, TINY_FLAGS, checkpointer, make_image_folder, python, run, script_env, torchrun, write_image
-from multi_train_utils import checkpoint, files
+from multi_train_utils import checkpoint, errors, files, shutdown
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import UserInputError
@@ -164,6 +165,25 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_whole(tmp_path:
         files.save_atomic({"epoch": 2, "weights": torch.zeros(1000)}, path)
     assert torch.load(path, weights_only=True)["epoch"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"], "no temporary file left behind"
+
+
+@pytest.mark.parametrize(("signum", "stop"), [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, errors.Terminated)])
+def test_a_stop_during_a_write_comes_once_the_file_is_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            signum: int, stop: type[BaseException]) -> None:
+    """Raised inside torch.save's writer, the stop would be lost there ("unexpected pos"), and a Ctrl-C during
+    the checkpoint would end the run as a disk that cannot be written."""
+    path = tmp_path / "checkpoint.pth"
+    real_save = torch.save
+
+    def signalled_half_way(obj: object, target: BinaryIO) -> None:
+        signal.raise_signal(signum)
+        real_save(obj, target)
+
+    shutdown.listen_for_stop_signals()
+    monkeypatch.setattr(torch, "save", signalled_half_way)
+    with pytest.raises(stop):
+        files.save_atomic({"epoch": 2}, path)
+    assert torch.load(path, weights_only=True)["epoch"] == 2
 
 
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),

@@ -113,7 +113,8 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
     assert left == [], f"still running: {left}"
     assert not re.search(r"TCPStore|sendBytes|recvValue", output), "no page of C++ frames from a store that is gone"
     said = [line for line in output.split("\n") if "Stopped by" in line]
-    assert len(said) == 1 and said[0].startswith("Stopped by "), f"one line of ours, on a line of its own: {said}"
+    assert len(said) == 1 and said[0].startswith("Stopped by "), f"one line of ours on a line of its own: {said}\n" + (
+        output[-3000:])
 
     assert port_is_free(port) or launcher == "single"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0
@@ -242,6 +243,7 @@ class Progress:  # like tqdm's bar, whose generator the garbage collector closes
     def __del__(self):
         signal.raise_signal(signal.{name})  # the signal lands while Python runs the finalizer
 
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, even where pytest started without
 listen_for_stop_signals()
 try:
     Progress()
