@@ -68,35 +68,6 @@ def test_spawn_two_processes_with_the_speed_flags(odd_folder: Path, tmp_path: Pa
     assert "lr 0.005 x 2 process(es) x 2 accumulated batch(es) = 0.02" in result.stdout
 
 
-def test_two_torchrun_agents_as_two_nodes(odd_folder: Path, tmp_path: Path) -> None:
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [subprocess.Popen([*torchrun(), "--nnodes=2", f"--node-rank={node}", "--nproc_per_node=1",
-                               "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-                               LAUNCH, *flags(odd_folder, tmp_path)],
-                              cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True) for node in (0, 1)]
-    outputs = [node.communicate(timeout=180)[0] for node in nodes]
-    for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, output[-3000:]
-    finished(subprocess.CompletedProcess([], 0, outputs[0], ""), tmp_path, world_size=2)
-
-
-def test_srun_variables(odd_folder: Path, tmp_path: Path) -> None:
-    """Two processes started as srun would start them: ranks from SLURM_*, the master from the node list."""
-    job_env = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NNODES": "1",
-               "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_JOB_ID": "7",
-               "MASTER_PORT": str(free_port())}
-    ranks = [subprocess.Popen([python(), LAUNCH, *flags(odd_folder, tmp_path)], cwd=REPO,
-                              env=script_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), **job_env),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for rank in (0, 1)]
-    outputs = [rank.communicate(timeout=180)[0] for rank in ranks]
-    for rank, output in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, output[-3000:]
-    assert "(slurm, gloo): rank 1/2" in outputs[1]
-    finished(subprocess.CompletedProcess([], 0, outputs[0], ""), tmp_path, world_size=2)
-
-
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_a_failing_rank_ends_the_whole_job(odd_folder: Path, tmp_path: Path, launcher: str) -> None:
     env = script_env(FAIL_RANK="1", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
