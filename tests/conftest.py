@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -86,6 +87,21 @@ def run(cmd: list[str], timeout: float = 180, cwd: Path | None = None, env: dict
             os.killpg(proc.pid, signal.SIGKILL)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def run_single_in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """`python train_single_gpu.py ARGV` run here, through the same run_cli: its exit code and what it wrote,
+    without the seconds a new Python spends importing torch and torchvision (for runs that end early)."""
+    import train_single_gpu
+    from multi_train_utils.cli import run_cli
+
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            run_cli(train_single_gpu.main, "single", argv)
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else 1
+    return subprocess.CompletedProcess(["train_single_gpu.py", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 def python() -> str:

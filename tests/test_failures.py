@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, script_env, torchrun
+from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, run_single_in_this_process, script_env, torchrun
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.files import claim_folder
@@ -94,8 +94,8 @@ def test_a_weights_file_that_is_not_weights_or_does_not_fit(data: Path, tmp_path
         torch.save({"unrelated.layer": torch.zeros(3)}, weights)
     else:
         weights.write_bytes(content)
-    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
-                  "--weights", str(weights)], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
+                  "--weights", str(weights)])
     assert result.returncode == 2
     one_line_error(result, f"--weights {weights}: {message}")
 
@@ -103,8 +103,7 @@ def test_a_weights_file_that_is_not_weights_or_does_not_fit(data: Path, tmp_path
 def test_an_output_folder_that_cannot_be_written(data: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("a file where the output folder should go")
-    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(blocker / "run"), *TINY_FLAGS],
-                 timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(blocker / "run"), *TINY_FLAGS])
     assert result.returncode == 2
     one_line_error(result, f"--output-dir {blocker / 'run'}: cannot write there")
     assert blocker.read_text() == "a file where the output folder should go"
@@ -128,18 +127,18 @@ def test_a_second_run_into_a_folder_in_use_stops_in_one_line_and_writes_nothing(
     metrics.jsonl). The first holds a lock for its life, which the system frees when it ends."""
     out = tmp_path / "run"
     held = claim_folder(out)  # as the first run holds it
-    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS])
     assert result.returncode == 2
     one_line_error(result, f"--output-dir {out}: another run is writing there (process {os.getpid()} on")
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
     (out / "checkpoint.pth").write_bytes(b"a checkpoint the first run is about to replace")
-    resumed = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS, "--resume",
-                   "auto"], timeout=120)
+    resumed = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                                          "--resume", "auto"])
     assert resumed.returncode == 2 and "Resuming" not in resumed.stdout, "refused before it reads the checkpoint"
     one_line_error(resumed, f"--output-dir {out}: another run is writing there")
     (out / "checkpoint.pth").unlink()
     held.close()  # the first run ends
-    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS])
     assert result.returncode == 0, result.stderr[-2000:]
 
 
@@ -195,8 +194,7 @@ def test_a_run_whose_checkpoint_is_missing_is_not_overwritten(data: Path, tmp_pa
     (out / "checkpoint.pth").unlink()
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
     for resume in ([], ["--resume", "auto"]):
-        result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS, *resume],
-                     timeout=120)
+        result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS, *resume])
         assert result.returncode == 2
         one_line_error(result, f"--output-dir {out}: holds the results of a run (metrics.jsonl, weights/best.pth, "
                                "weights/model-0.pth, weights/model-1.pth) but no checkpoint.pth to continue from; "
@@ -212,8 +210,8 @@ def test_whatever_is_in_the_way_of_a_file_the_run_writes_is_found_before_the_fir
     out = tmp_path / "run"
     (out / in_the_way).parent.mkdir(parents=True, exist_ok=True)
     (out / in_the_way).mkdir() if kind == "folder" else (out / in_the_way).write_text("in the way")
-    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
-                  "--keep-checkpoints", "2"], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                  "--keep-checkpoints", "2"])
     assert result.returncode == 2
     want = "a file, where the run writes a folder" if kind == "file" else "a folder, where the run writes a file"
     one_line_error(result, f"--output-dir {out}: {out / in_the_way} is {want}")
@@ -234,8 +232,8 @@ def test_what_a_killed_write_left_is_deleted_by_the_next_run(data: Path, tmp_pat
 def test_more_accumulated_batches_than_an_epoch_has_are_refused(data: Path, tmp_path: Path) -> None:
     """24 training images in batches of 4: 6 batches an epoch; a step of 1024 of them would never come, and the
     lr would be multiplied by 1024 all the same."""
-    result = run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
-                  "--accum-steps", "1024"], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
+                  "--accum-steps", "1024"])
     assert result.returncode == 2
     one_line_error(result, "--accum-steps 1024: more than the 6 batches each process trains on in an epoch; "
                            "at most 6")

@@ -14,7 +14,17 @@ import torch
 
 import multi_train_utils.fit as engine
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, checkpointer, make_image_folder, python, run, script_env, torchrun, write_image
+from conftest import (
+    REPO,
+    TINY_FLAGS,
+    checkpointer,
+    make_image_folder,
+    run,
+    run_single_in_this_process,
+    script_env,
+    torchrun,
+    write_image,
+)
 from multi_train_utils import checkpoint, errors, files, shutdown
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import single_process
@@ -74,8 +84,7 @@ def test_a_fresh_run_refuses_to_overwrite_a_run(data: Path, tmp_path: Path) -> N
     out = tmp_path / "run"
     train(data, out, "--epochs", "1")
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(data), "--output-dir", str(out),
-                  *RESUME_FLAGS], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *RESUME_FLAGS])
     assert result.returncode == 2
     assert result.stderr.strip() == (f"error: --output-dir {out}: holds a run already ({out / 'checkpoint.pth'}); "
                                      "continue it with --resume auto, or choose another --output-dir")
@@ -89,8 +98,8 @@ def test_a_checkpoint_of_another_model_or_class_count_is_a_clear_error(data: Pat
     other_data = make_image_folder(tmp_path / "two_classes", {"a": 10, "b": 10})
     flags = (["--model", "resnet34", "--data-path", str(data)] if mismatch == "model"
              else ["--data-path", str(other_data)])
-    result = run([python(), str(REPO / "train_single_gpu.py"), "--output-dir", str(tmp_path / "second"),
-                  *RESUME_FLAGS, *flags, "--resume", str(tmp_path / "first" / "checkpoint.pth")], timeout=120)
+    result = run_single_in_this_process(["--output-dir", str(tmp_path / "second"), *RESUME_FLAGS, *flags,
+                                         "--resume", str(tmp_path / "first" / "checkpoint.pth")])
     assert result.returncode == 2
     expected = (f"error: --resume {tmp_path / 'first' / 'checkpoint.pth'}: saved from --model resnet18"
                 if mismatch == "model" else f"error: --data-path {other_data}: the classes differ from the run's")

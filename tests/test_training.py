@@ -11,7 +11,7 @@ import torch
 
 import demo_data
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, write_image
+from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, run_single_in_this_process, write_image
 from model import create_model
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
@@ -62,8 +62,8 @@ def test_the_demo_data_is_written_and_announced(tmp_path: Path, monkeypatch: pyt
 ])
 def test_bad_input_is_one_line_naming_the_flag(image_folder: Path, tmp_path: Path, extra: list[str],
                                                message: str) -> None:
-    result = run([python(), str(REPO / "train_single_gpu.py"), "--data-path", str(image_folder),
-                  "--output-dir", str(tmp_path / "run"), *TINY_FLAGS, *extra], timeout=120)
+    result = run_single_in_this_process(["--data-path", str(image_folder), "--output-dir", str(tmp_path / "run"),
+                                         *TINY_FLAGS, *extra])
     assert result.returncode == 2
     assert result.stderr.strip().startswith(f"error: {message}"), result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
