@@ -51,6 +51,14 @@ def spread(values: list[float]) -> list[float]:
     return [round(min(values), 3), round(statistics.median(values), 3), round(max(values), 3)]
 
 
+def write_figures(figures: dict[str, object], output: str | None) -> None:
+    """The figures as one JSON line on stdout, and into `output` if given."""
+    line = json.dumps(figures)
+    print(line)
+    if output:
+        Path(output).write_text(line + "\n")
+
+
 def time_checkpoint_write(model_name: str, repeats: int) -> dict[str, object]:
     """The checkpoint of a model whose optimizer has taken one step (so that its momentum exists)."""
     model = create_model(model_name, 5)
@@ -146,10 +154,7 @@ def main() -> None:
                 timings[launcher].append(time_signal_to_exit(launcher, args.model, Path(folder) / str(repeat)))
     figures["signal_to_exit_s"] = {launcher: {"spread": spread([t["seconds"] for t in runs]), "runs": runs}
                                    for launcher, runs in timings.items()}
-    line = json.dumps(figures)
-    print(line)
-    if args.output:
-        Path(args.output).write_text(line + "\n")
+    write_figures(figures, args.output)
 
 
 if __name__ == "__main__":

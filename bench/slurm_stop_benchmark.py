@@ -16,10 +16,8 @@ each [min, median, max] of --repeats, with every run's figures and where it save
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -29,28 +27,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as `python bench/slurm_stop_benchmark.py` from anywhere
 sys.path.insert(0, str(REPO / "tests"))
 
+from preemption_benchmark import spread, write_figures
+
 from demo_data import ensure_demo_dataset
-from slurm_cluster import SlurmCluster, for_this_machine, sbatch_scripts, start_cluster, why_no_cluster
+from slurm_cluster import SlurmCluster, for_this_machine, processes_of, sbatch_scripts, start_cluster, why_no_cluster
 
 PAGE = REPO / "docs" / "clusters.md"
 STOP_LINE = re.compile(r"Stopped by SIGTERM (at epoch \d+, step \d+|after epoch \d+)")
-
-
-def spread(values: list[float]) -> list[float]:
-    return [round(min(values), 3), round(statistics.median(values), 3), round(max(values), 3)]
-
-
-def processes_of(out: Path) -> list[int]:
-    """The processes whose command line names `out`: srun, torchrun and the training processes."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(out).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def start_job(cluster: SlurmCluster, script: str, folder: Path, flags: list[str]) -> tuple[int, Path]:
@@ -124,10 +107,7 @@ def main() -> None:
             "warning_to_exit_s": spread([run["exit_s"] for run in stops["warning"]]),
             "runs": stops,
         }
-    line = json.dumps(figures)
-    print(line)
-    if args.output:
-        Path(args.output).write_text(line + "\n")
+    write_figures(figures, args.output)
 
 
 if __name__ == "__main__":

@@ -221,3 +221,17 @@ def start_cluster(root: Path, path: str) -> SlurmCluster:
             cluster.stop()
             raise AssertionError(f"the node did not become idle within 60 s; see {root / 'log'}")
         time.sleep(0.3)
+
+
+def processes_of(out: Path) -> list[int]:
+    """The processes whose command line names `out` (a run's output folder), but this one: the launchers
+    (srun, torchrun's agents) and the training processes of that run, whoever started them."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if str(out).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

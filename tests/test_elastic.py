@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, script_env
+from slurm_cluster import processes_of
 
 pytestmark = pytest.mark.slow
 
@@ -62,19 +63,6 @@ def as_agent(command: str, endpoint: str, data: Path, out: Path, **env: str) -> 
     torchrun_flags = [RDZV_CONF] if "--nnodes=1:" in command else []
     return ([sys.executable, "-m", "torch.distributed.run", *torchrun_flags, *args, *FLAGS],
             script_env(**variables, **env))
-
-
-def processes_of(out: Path) -> list[int]:
-    """The processes whose command line names `out`: the agents and the training processes of that run."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if str(out).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 class Agents:
