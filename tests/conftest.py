@@ -26,6 +26,9 @@ from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.step_options import StepOptions
 
 REPO = Path(__file__).resolve().parent.parent
+# Ctrl-C as at a terminal, in pytest and in every process it starts: a shell script that starts pytest in the
+# background (`python -m pytest &`) leaves SIGINT ignored, and an ignored signal stays ignored across exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # The multi-process tests start several Python processes on 2 cores; keep every step tiny.
 TINY_FLAGS = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "1",
               "--workers", "0", "--device", "cpu", "--lr", "0.01"]
@@ -116,11 +119,12 @@ def torchrun() -> list[str]:
 def ends_of_runs_are_undone() -> Iterator[None]:
     """Tests that run the scripts in this process (run_cli, end_run) change what a process changes once, at its
     end: the signal handlers, and that its end is under way. Each test starts from pytest's own."""
-    handlers = {signum: signal.getsignal(signum) for signum in (*shutdown.STOP_SIGNALS, signal.SIGINT)}
+    handlers = {signum: signal.getsignal(signum) for signum in shutdown.STOP_SIGNALS}
     unraisablehook = sys.unraisablehook
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.unraisablehook = unraisablehook
     shutdown._Ending.under_way = shutdown._Ending.store_gone = False
     shutdown._Ending.launcher = None

@@ -145,10 +145,10 @@ def test_the_speed_flags_train_a_whole_run(tmp_path: Path) -> None:
     data = make_image_folder(tmp_path / "images", {"red": 12, "green": 12, "blue": 12})
     out = tmp_path / "run"
     args = parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
-                                 "--amp", "bf16", "--channels-last", "--accum-steps", "2", "--lr", "0.01"])
-    train_single_gpu.main(args)
+                                 "--amp", "bf16", "--channels-last", "--accum-steps", "2", "--lr", "0.001"])
+    train_single_gpu.main(args)  # (with --lr 0.01, bf16 diverged on some draws of the random images)
     metrics = json.loads((out / "metrics.jsonl").read_text())
-    assert metrics["lr"] == pytest.approx(0.02), "the lr grows with the accumulated batch"
+    assert metrics["lr"] == pytest.approx(0.002), "the lr grows with the accumulated batch"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["args"]["amp"] == "bf16"
 
 
