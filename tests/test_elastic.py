@@ -26,7 +26,7 @@ import pytest
 from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, script_env
 from slurm_cluster import processes_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.schedulers, pytest.mark.slow]
 
 PAGE = REPO / "docs" / "clusters.md"
 DATA_PATH, OUTPUT_DIR = "/shared/flower_photos", "/shared/runs/flowers"  # the page's paths

@@ -151,14 +151,14 @@ def test_the_readme_has_commands_to_run() -> None:
 
 
 def test_the_test_command_is_what_ci_runs() -> None:
-    """.ci/run runs the README's test command as it is, and then the SLURM tests it leaves out, as the README
-    says."""
+    """.ci/run runs the README's test command as it is, and then the scheduler tests it leaves out, as the
+    README says."""
     ci_lines = (REPO / ".ci" / "run").read_text().strip().splitlines()
     readme_lines = [line for block in fenced_blocks("bash") for line in block.splitlines()]
     (test_command,) = [line for line in readme_lines if line.endswith("python -m pytest")]
-    assert ci_lines[-2:] == [test_command, "python -m pytest -m slurm  # what the line above leaves out: the SLURM "
-                                           "tests, on the cluster they start"]
-    assert "`python -m pytest -m slurm`" in TEXT
+    assert ci_lines[-2:] == [test_command, "python -m pytest -m schedulers  # what the line above leaves out: the "
+                                           "tests of SLURM and elastic torchrun"]
+    assert "`python -m pytest -m schedulers`" in TEXT
 
 
 def test_readme_examples_print_what_it_says() -> None:

@@ -27,7 +27,7 @@ from conftest import REPO, TINY_FLAGS, make_image_folder, run, script_env, torch
 from slurm_cluster import SlurmCluster, for_this_machine, sbatch_scripts, start_cluster, why_no_cluster
 
 WHY_SKIP = why_no_cluster()
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.skipif(WHY_SKIP is not None, reason=WHY_SKIP or "")]
+pytestmark = [pytest.mark.schedulers, pytest.mark.slow, pytest.mark.skipif(WHY_SKIP is not None, reason=WHY_SKIP or "")]
 
 PAGE = REPO / "docs" / "clusters.md"
 # 10 + 10 + 15 images: 28 train, 7 validate (an odd count: 2 processes cannot split it evenly). Two processes
