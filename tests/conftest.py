@@ -104,6 +104,8 @@ def run_single_in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
             run_cli(train_single_gpu.main, "single", argv)
         except SystemExit as end:
             code = end.code if isinstance(end.code, int) else 1
+        finally:
+            shutdown._Ending.under_way = False  # a process ends once; a test may end several runs here
     return subprocess.CompletedProcess(["train_single_gpu.py", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 

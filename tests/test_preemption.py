@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 import multi_train_utils.fit as engine
-import train_single_gpu
 from conftest import (
     REPO,
     TINY_FLAGS,
@@ -26,13 +25,13 @@ from conftest import (
     make_image_folder,
     python,
     run,
+    run_single_in_this_process,
     script_env,
     signal_once_ready,
     spawned_by,
     torchrun,
 )
 from multi_train_utils import preemption, shutdown
-from multi_train_utils.cli import run_cli
 from multi_train_utils.data import ResumableDistributedSampler
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import Preempted
@@ -252,18 +251,13 @@ def resume(cmd: list[str], data: Path, out: Path, saved: dict, env: dict[str, st
     return resumed.stdout
 
 
-def train_in_this_process(data: Path, out: Path, *extra: str) -> None:
-    """train_single_gpu.py as its command line runs it, without starting a Python: run_cli, its signal
-    handling and all."""
-    try:
-        run_cli(train_single_gpu.main, "single", ["--data-path", str(data), "--output-dir", str(out), *FLAGS, *extra])
-    finally:
-        shutdown._Ending.under_way = False  # a process ends once; this test ends several runs in one
+def train_in_this_process(data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *FLAGS, *extra])
 
 
 def test_a_single_process_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_unbroken_weights(
-        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    train_in_this_process(data, tmp_path / "unbroken")
+        data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert train_in_this_process(data, tmp_path / "unbroken").returncode == 0
     real_train_one_epoch = engine.train_one_epoch
 
     def sigterm_at_batch_1(*args: object, **kwargs: object) -> float:
@@ -282,16 +276,15 @@ def test_a_single_process_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with
         return real_train_one_epoch(*args[:2], Signalling(), *args[3:], **kwargs)
 
     monkeypatch.setattr(engine, "train_one_epoch", sigterm_at_batch_1)
-    with pytest.raises(SystemExit) as stopped:
-        train_in_this_process(data, tmp_path / "run")
-    assert stopped.value.code == 143
+    stopped = train_in_this_process(data, tmp_path / "run")
+    assert stopped.returncode == 143
     monkeypatch.setattr(engine, "train_one_epoch", real_train_one_epoch)
     saved = torch.load(tmp_path / "run" / "checkpoint.pth", weights_only=True)
     assert saved["progress"] == {**saved["progress"], "epoch": 0, "step": 2, "samples_seen": 2 * 3}
     assert (f"Stopped by SIGTERM at epoch 0, step 2; its checkpoint is {tmp_path / 'run' / 'checkpoint.pth'}; "
-            "go on with --resume auto") in capsys.readouterr().err
-    train_in_this_process(data, tmp_path / "run", "--resume", "auto")
-    assert "at epoch 0, step 2" in capsys.readouterr().out
+            "go on with --resume auto") in stopped.stderr
+    resumed = train_in_this_process(data, tmp_path / "run", "--resume", "auto")
+    assert resumed.returncode == 0 and "at epoch 0, step 2" in resumed.stdout
     assert weights_differ(tmp_path / "unbroken" / "weights" / "model-0.pth",
                           tmp_path / "run" / "weights" / "model-0.pth") == 0
 
