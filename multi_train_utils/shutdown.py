@@ -112,9 +112,10 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
         barrier()  # no process ends before rank 0 has written the checkpoint and said so
         cleanup()
         raise QuietExit(err.code)
-    if launcher_gone() and not isinstance(err, (KeyboardInterrupt, Terminated)):
-        err = Terminated()  # whatever broke (a partner gone from a collective), the launcher's end caused it
     signalled = isinstance(err, (KeyboardInterrupt, Terminated))
+    if launcher_gone() and not signalled:
+        # Whatever broke (a partner gone from a collective), the launcher's end caused it.
+        err, signalled = Terminated(), True
     reason = err if signalled else stalled_rank_error(err, rank) or err
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
     cleanup(failed=True)
