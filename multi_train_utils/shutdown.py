@@ -80,10 +80,6 @@ def signal_the_main_thread(signum: int, after_s: float = 0.05) -> None:
         signal.pthread_kill(threading.main_thread().ident, signum)
 
 
-def ending_under_way() -> bool:
-    return _Ending.under_way
-
-
 def absorb_later_signals() -> None:
     """While this process ends, a second stop signal is absorbed, and a second Ctrl-C ends it at once,
     silently: neither may interrupt the clean-up with a traceback."""
