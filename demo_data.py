@@ -1,28 +1,21 @@
 """The built-in demo data: small pictures of five patterns, written as real image files in class folders.
 
-With no --data-path the scripts train on this, so the whole file pipeline (folders, JPEG and PNG,
-grayscale files, decoding, augmentation) runs on any machine without a download.
+With no --data-path the scripts train on this (utils.ensure_demo_data finds it, or has it written here once),
+so the whole file pipeline (folders, JPEG and PNG, grayscale files, decoding, augmentation) runs on any machine
+without a download.
 """
 
 from __future__ import annotations
 
 import colorsys
 import math
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFilter
 
-from multi_train_utils.errors import UserInputError
-
 CLASSES = ("checks", "dots", "grid", "rings", "stripes")
-DEFAULT_ROOT = Path(__file__).resolve().parent / "data" / "demo_patterns"
-# Where a checkout that cannot be written (a read-only install, a shared copy) keeps the demo data instead.
-CACHE_ROOT = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "train-multi-gpu" / "demo_patterns"
 IMAGES_PER_CLASS = 120
 SIDE = 64
 
@@ -88,39 +81,3 @@ def write_demo_dataset(root: Path, images_per_class: int = IMAGES_PER_CLASS, see
                 img.save(root / kind / f"{kind}_{i:04d}.png")
             else:
                 img.save(root / kind / f"{kind}_{i:04d}.jpg", quality=90)
-
-
-def ensure_demo_dataset(root: Path = DEFAULT_ROOT) -> Path:
-    """Return `root`, writing the demo data there first if it is not there yet.
-
-    The files are written to a temporary folder beside `root` and renamed into place, so a run that
-    is stopped half-way, or two machines writing at once, never leave a half-written data set.
-    """
-    if root.is_dir():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
-        write_demo_dataset(scratch / "data")
-        try:
-            os.rename(scratch / "data", root)
-        except OSError:
-            if not root.is_dir():  # anything but "someone else finished first" is a real error
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return root
-
-
-def ensure_demo_data() -> Path:
-    """The demo data's folder, written first where needed: beside the code, or, where the checkout cannot
-    be written, in the user's cache folder."""
-    try:
-        return ensure_demo_dataset(DEFAULT_ROOT)
-    except OSError:
-        pass
-    try:
-        return ensure_demo_dataset(CACHE_ROOT)
-    except OSError as err:
-        raise UserInputError(f"the demo data can be written neither to {DEFAULT_ROOT} nor to {CACHE_ROOT} "
-                             f"({err.strerror}); train on a folder of your images with --data-path") from None

@@ -1,5 +1,5 @@
 """The models --model names: your own (register them here) and every torchvision classification model; with
-optional starting weights and a frozen body."""
+optional starting weights."""
 
 from __future__ import annotations
 
@@ -51,23 +51,6 @@ def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
 
 
-def classifier_of(model: nn.Module) -> nn.Module:
-    """The last layer, the one that maps features to classes (`fc` in ResNets, `classifier.N` elsewhere)."""
-    last = None
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Conv2d)) and len(list(module.children())) == 0:
-            last = module
-    if last is None:
-        raise ValueError(f"{type(model).__name__} has no linear or convolutional layer")
-    return last
-
-
-def freeze_all_but_classifier(model: nn.Module) -> None:
-    """Train only the classifier: the usual way to fine-tune pretrained weights on a small data set."""
-    model.requires_grad_(False)
-    classifier_of(model).requires_grad_(True)
-
-
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Tensors from a plain state dict or from one of our checkpoints; `module.` prefixes removed."""
     content = load_file(path, "--weights")
@@ -103,18 +86,11 @@ def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.T
                              "it elsewhere and pass the file's path instead") from None
 
 
-def check_weights_source(model_name: str, source: str) -> None:
-    """--weights names a file that exists, or weights torchvision publishes for this model."""
-    if not Path(source).exists():
-        weights_enum(model_name, source)
-    elif Path(source).is_dir():
-        raise UserInputError(f"--weights {source}: is a folder; name the .pth file inside it")
-
-
 def check_model_input(name: str, image_size: int, batch_size: int) -> None:
     """Train the model for one forward pass on the meta device (shapes only: no memory, no arithmetic) with
-    a batch as training gives it. An image size the model cannot take, or a batch of one image, which
-    BatchNorm cannot normalise, then fails in a second with one line, not after a whole epoch."""
+    a batch as BatchNorm normalises it in training (`batch_size`: the images of one process, or of all of them
+    under SyncBatchNorm). An image size the model cannot take, or a batch of one image, which BatchNorm cannot
+    normalise, then fails at once in one line, not in the first step."""
     check_model_name(name)
     try:
         with torch.device("meta"):
@@ -127,20 +103,6 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
         raise UserInputError(f"{flag} {batch_size if flag == '--batch-size' else image_size}: {name} cannot train "
                              f"on batches of {batch_size} images of {image_size} x {image_size} px "
                              f"({str(err).splitlines()[0]})") from None
-
-
-def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
-    """What keeps `state` from loading into `model`, in a few words (how many tensors, and the first of each
-    kind); None if it fits."""
-    own = model.state_dict()
-    missing = [name for name in own if name not in state]
-    unexpected = [name for name in state if name not in own]
-    reshaped = [name for name in own if name in state and own[name].shape != state[name].shape]
-    parts = [f"{len(missing)} tensor(s) missing, such as {missing[0]}" if missing else "",
-             f"{len(unexpected)} not in this model, such as {unexpected[0]}" if unexpected else "",
-             f"{len(reshaped)} of another shape, such as {reshaped[0]} ({tuple(state[reshaped[0]].shape)} saved, "
-             f"{tuple(own[reshaped[0]].shape)} here)" if reshaped else ""]
-    return "; ".join(part for part in parts if part) or None
 
 
 def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = False) -> None:
@@ -167,13 +129,13 @@ def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = 
                + (f"; left at their initial values: {', '.join(missing)}" if missing else ""))
 
 
-def build_model(name: str, num_classes: int, weights: str = "", freeze_layers: bool = False,
-                strict: bool = False) -> nn.Module:
-    """Create the model, load starting weights if any (all of them, if `strict`), and freeze all but the
-    classifier if asked."""
+def build_model(name: str, num_classes: int, weights: str = "", strict: bool = False,
+                trains_on: tuple[int, int] | None = None) -> nn.Module:
+    """Create the model and load starting weights if any (all of them, if `strict`). `trains_on`: (the batch
+    BatchNorm normalises, the image size), checked first (check_model_input)."""
+    if trains_on is not None:
+        check_model_input(name, trains_on[1], trains_on[0])
     model = create_model(name, num_classes)
     if weights:
         load_weights(model, weights, name, strict)
-    if freeze_layers:
-        freeze_all_but_classifier(model)
     return model

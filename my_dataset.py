@@ -1,16 +1,23 @@
-"""A dataset over a list of image files and their class indices."""
+"""A dataset over a list of image files and their class indices, and the augmentations its images get.
+
+Images are decoded to uint8 tensors (3, H, W) and augmented as such (torchvision's transforms.v2): a quarter of
+the bytes of float32 through the loader workers' shared memory, the pin-memory thread and the copy to the GPU.
+Turning them into normalised floats is one cheap elementwise pass on the training device, inside the step.
+"""
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
 from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from multi_train_utils.errors import UserInputError
@@ -24,6 +31,11 @@ warnings.filterwarnings("ignore", message=r".*decoding and encoding capabilities
                         category=DeprecationWarning)
 
 
+def read_file(path: str) -> torch.Tensor:
+    """The bytes of a file as a 1-D uint8 tensor (what torchvision's decoders take)."""
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+
+
 class UnreadableImageError(UserInputError):
     """An image file that Pillow cannot decode; the message names the file."""
 
@@ -35,12 +47,22 @@ def load_rgb(path: str) -> Image.Image:
             img.load()
             return to_rgb(upright(img))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        raise UnreadableImageError(f"cannot read image {path}: {err}") from None
+        raise UnreadableImageError(f"cannot read image {path}: {file_problem(path, err)}") from None
 
 
-def read_file(path: str) -> torch.Tensor:
-    """The bytes of a file as a 1-D uint8 tensor (what torchvision's decoders take)."""
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+def file_problem(path: str, err: BaseException) -> str:
+    """Why an image file cannot be read, in a few words: the system's reason, or what Pillow found (its own
+    message repeats the file's name, which the line already gives)."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return os.strerror(err.errno).lower()
+    if isinstance(err, Image.DecompressionBombError):
+        return "more pixels than Pillow accepts (a decompression bomb?)"
+    try:
+        if os.stat(path).st_size == 0:
+            return "empty"
+    except OSError as stat_err:
+        return os.strerror(stat_err.errno).lower()
+    return "not an image (damaged, cut short, or another kind of file)"
 
 
 def is_jpeg(data: torch.Tensor) -> bool:
@@ -58,7 +80,7 @@ def decode_rgb(path: str) -> torch.Tensor:
     try:
         data = read_file(path)
     except OSError as err:
-        raise UnreadableImageError(f"cannot read image {path}: {err}") from None
+        raise UnreadableImageError(f"cannot read image {path}: {file_problem(path, err)}") from None
     if is_jpeg(data):
         try:
             return decode_jpeg(data, mode=ImageReadMode.RGB, apply_exif_orientation=True)
@@ -68,15 +90,13 @@ def decode_rgb(path: str) -> torch.Tensor:
 
 
 def header_problem(path: str) -> str | None:
-    """What is wrong with an image file that its header already shows (empty, not an image, no pixels),
-    or None. Reads a few hundred bytes, not the pixels: cheap enough to check every file before training."""
+    """What is wrong with an image file that its header already shows (gone, empty, not an image, no pixels),
+    or None. Reads a few hundred bytes, not the pixels: cheap enough to check many files before training."""
     try:
         with Image.open(path) as img:
             width, height = img.size
-    except FileNotFoundError:
-        return "gone"
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
-        return "empty" if Path(path).stat().st_size == 0 else f"not an image Pillow reads ({err})"
+        return "gone" if isinstance(err, FileNotFoundError) else file_problem(path, err)
     return None if width > 0 and height > 0 else f"{width} x {height} pixels"
 
 
@@ -116,15 +136,102 @@ def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor,
     return images, labels
 
 
+def build_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
+    """The tutorial's augmentation at 224 px, scaled to `image_size`, on uint8 tensors: random crops to
+    train, a centre crop to validate (resized first to 256/224 of the crop, as at 224). The one definition
+    of each: --decode-on gpu applies the same training transform on the GPU.
+
+    antialias=True: bilinear resizing averages over the pixels it shrinks, as Pillow does, so the
+    crops look like the float32 PIL pipeline's (see tests/test_pipeline.py for how close).
+    """
+    train = v2.Compose([v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()])
+    val = v2.Compose([v2.Resize(round(image_size * 256 / 224), antialias=True), v2.CenterCrop(image_size)])
+    return train, val
+
+
+def batch_transform(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> Callable | None:
+    """--mixup-alpha, --cutmix-alpha: each training batch (on the device, normalised) blends pairs of its images
+    and their labels, by a share drawn from Beta(alpha, alpha): MixUp over the whole picture, CutMix in a box;
+    one of the two per batch where both are on (torchvision's references do the same). The labels become the
+    blend's shares of each class, which nn.CrossEntropyLoss takes as they are. None where both are 0."""
+    mixup = v2.MixUp(alpha=mixup_alpha, num_classes=num_classes) if mixup_alpha else None
+    cutmix = v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes) if cutmix_alpha else None
+    return v2.RandomChoice([mixup, cutmix]) if mixup and cutmix else mixup or cutmix
+
+
+def build_datasets(split: Any, image_size: int, decode_on: str = "cpu", device: torch.device | None = None,
+                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """The training and validation datasets of a split (utils.SplitData), each with its transform.
+    --decode-on gpu: the GPU decodes the training JPEGs, and applies the same training transform there
+    (multi_train_utils/gpu_decode.py)."""
+    train_tf, val_tf = build_transforms(image_size)
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
+    if decode_on == "gpu":
+        from multi_train_utils.gpu_decode import decoded_on_the_gpu
+
+        train = decoded_on_the_gpu(train, device) or train
+    return train, MyDataSet(split.val_images_path, split.val_images_label, val_tf)
+
+
+class Paths(Sequence[str]):
+    """File paths held as one numpy array of their UTF-8 bytes (relative to `root`), not as a list of str.
+
+    1.28 million str objects take some 150 MB, and a loader worker that reads one (touching its reference count)
+    copies the memory page it lives on, until every worker holds a copy of them all (PyTorch issue 13246). An
+    array is one object, which reading leaves alone; it also pickles in one piece, for the other ranks.
+    """
+
+    def __init__(self, paths: Sequence[str] | np.ndarray = (), root: str = "") -> None:
+        self.root = root
+        self.array = paths if isinstance(paths, np.ndarray) else np.array([path.encode() for path in paths], bytes)
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> Paths:
+        return paths if isinstance(paths, Paths) else cls(paths)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index: Any) -> Any:
+        """A path (str) for a number; a Paths for a slice, a mask or an array of indices."""
+        if isinstance(index, (int, np.integer)):
+            relative = self.array[index].decode()
+            return os.path.join(self.root, relative) if self.root else relative
+        return Paths(self.array[index], self.root)
+
+    def __iter__(self) -> Iterator[str]:
+        return (os.path.join(self.root, path) if self.root else path for path in self.relative())
+
+    def __add__(self, other: Sequence[str]) -> Paths:
+        if isinstance(other, Paths) and other.root == self.root:
+            return Paths(np.concatenate([self.array, other.array]), self.root)
+        return Paths([*self, *other])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and list(other) == list(self)
+
+    def relative(self) -> list[str]:
+        """The paths relative to `root` (as a run's split.json keeps them)."""
+        return [path.decode() for path in self.array.tolist()]
+
+    def relative_bytes(self) -> list[bytes]:
+        return self.array.tolist()
+
+    def __repr__(self) -> str:
+        return f"Paths({len(self)} under {self.root or '.'})"
+
+
 class MyDataSet(torch.utils.data.Dataset):
     """Image files with class indices. Each image is decoded to uint8 RGB pixels (3, H, W); `transform`
     (torchvision.transforms.v2 works on such tensors) crops and flips them."""
+
+    decode = staticmethod(decode_rgb)  # path -> uint8 pixels (3, H, W)
 
     def __init__(self, images_path: Sequence[str], images_class: Sequence[int],
                  transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if len(images_path) != len(images_class):
             raise ValueError(f"{len(images_path)} images but {len(images_class)} labels")
-        self.images_path = list(images_path)
+        self.images_path = Paths.of(images_path)  # see Paths: the loader workers share it, without copies
         self.images_class = list(images_class)
         self.transform = transform
 
@@ -132,7 +239,7 @@ class MyDataSet(torch.utils.data.Dataset):
         return len(self.images_path)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        img = decode_rgb(self.images_path[index])
+        img = self.decode(self.images_path[index])
         if self.transform is not None:
             img = self.transform(img)
         return img, self.images_class[index]

@@ -24,6 +24,7 @@ except ImportError:
     sys.exit("error: plot_runs.py needs matplotlib: pip install -r requirements-plot.txt")
 
 matplotlib.use("Agg")  # files only: no window, no display needed
+import torch
 from matplotlib import pyplot as plt  # after use(): the backend is chosen first
 from matplotlib.figure import Figure
 
@@ -111,7 +112,7 @@ def save_confusion_matrix(run: Run, path: Path) -> Path:
     """The last epoch's confusion matrix of `run`, with its class names (per_class lists them in index order)."""
     last = run.metrics[-1]
     title = f"{run.label}, epoch {last['epoch']}: rows true class, columns predicted class"
-    confusion_image(last["confusion_matrix"], list(last["per_class"]), title).save(path)
+    confusion_image(torch.tensor(last["confusion_matrix"]), list(last["per_class"]), title).save(path)
     print(f"Wrote {path}")
     return path
 

@@ -21,14 +21,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model import check_model_name, create_model, read_state_dict, state_dict_mismatch
-from multi_train_utils.checkpoint import CHECKPOINT_NAME
+from model import check_model_name, create_model, read_state_dict
+from multi_train_utils.checkpoint import state_dict_mismatch
 from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLineErrorParser, at_least
 from multi_train_utils.distributed_utils import resolve_device, use_device
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.files import load_file
-from multi_train_utils.transforms import build_transforms, to_model_input
-from my_dataset import UnreadableImageError, decode_rgb
+from multi_train_utils.recorder import CHECKPOINT_NAME
+from multi_train_utils.train_eval_utils import to_model_input
+from my_dataset import UnreadableImageError, build_transforms, decode_rgb
 from utils import list_images
 
 
@@ -97,7 +98,7 @@ def image_files(inputs: Sequence[str]) -> list[str]:
     found = []
     for item in inputs:
         # A file named is tried whatever its name: if it is no image, it is named as unreadable.
-        found += list_images(Path(item)) if Path(item).is_dir() else [item]
+        found += list_images(Path(item), f"{Path(item)}/") if Path(item).is_dir() else [item]
     return found
 
 

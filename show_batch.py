@@ -12,9 +12,9 @@ import argparse
 import torch
 
 from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS
-from multi_train_utils.data import load_datasets
 from multi_train_utils.distributed_utils import single_process
-from utils import plot_data_loader_image
+from my_dataset import build_datasets
+from utils import plot_data_loader_image, read_data
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,10 +29,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     image_size = args.image_size or (DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS)["image_size"]
     torch.manual_seed(args.seed)
-    data = load_datasets(args.data_path, image_size, single_process("cpu"), seed=args.seed)
+    data = read_data(args.data_path, single_process("cpu"), seed=args.seed)
+    train_set, _ = build_datasets(data, image_size)
     # The training set, so the grid shows its random crops and flips, not validation's centre crops.
-    loader = torch.utils.data.DataLoader(data.train, batch_size=args.batch_size, shuffle=True,
-                                         collate_fn=data.train.collate_fn)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=True,
+                                         collate_fn=train_set.collate_fn)
     print(f"Wrote {plot_data_loader_image(loader, args.out, data.class_names, args.batch_size)}")
 
 

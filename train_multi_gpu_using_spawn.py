@@ -2,34 +2,60 @@
 
     python train_multi_gpu_using_spawn.py --world-size 2 --data-path flower_photos
 
-This script starts the processes itself (torch.multiprocessing.spawn) and hands each its rank.
+This script starts the processes itself, with torch.multiprocessing.spawn, and hands each its rank.
 """
 
+from multi_train_utils.errors import quiet_ctrl_c_while_starting
+
+quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
+
 import argparse
+
+import torch.multiprocessing as mp
+from torch import nn
 
 from model import build_model
 from multi_train_utils.checkpoint import find_saved_run
 from multi_train_utils.cli import run_cli
-from multi_train_utils.data import build_loaders, load_datasets, seed_everything
-from multi_train_utils.ddp import wrap_ddp
-from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, print_main
+from multi_train_utils.data import build_loaders, seed_everything
+from multi_train_utils.distributed_utils import (
+    DistContext,
+    cleanup,
+    init_distributed_mode,
+    normalised_batch,
+    print_main,
+    wrap_ddp,
+)
 from multi_train_utils.fit import fit
 from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.spawn_utils import processes_to_start, spawn_workers
-from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import evaluate_only
+from multi_train_utils.shutdown import ends_in_one_line
+from multi_train_utils.spawn_utils import (
+    meeting_on_a_free_port,
+    processes_to_start,
+    stop_signals_passed_on,
+    wait_for_all,
+)
+from multi_train_utils.train_eval_utils import StepOptions, evaluate_only
+from my_dataset import batch_transform, build_datasets
+from utils import read_data
 
 
 def main(args: argparse.Namespace) -> None:
     world_size = processes_to_start(args.world_size, args.device)
-    spawn_workers(worker, world_size, args)  # runs worker(rank, world_size, args) in each new process
+    # The processes meet on a free port of 127.0.0.1 (unless MASTER_ADDR/PORT say where); SIGTERM and Ctrl-C
+    # reach every one of them.
+    with meeting_on_a_free_port(), stop_signals_passed_on() as signals:
+        # Starts world_size new Python processes, each running worker(rank, world_size, args), rank 0 to N-1.
+        processes = mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=False)
+        wait_for_all(processes, signals, args.stop_grace)  # one failed: the others are stopped, the job fails
 
 
 def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
-    ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
-    train(args, ctx)
-    cleanup()  # should train() fail, run_worker leaves the process group instead, and no rank is left waiting
+    with ends_in_one_line(rank, args.output_dir, watch_launcher=True):  # as run_cli does under a launcher
+        ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
+        train(args, ctx)
+        cleanup()  # should train() fail, ends_in_one_line leaves the process group instead
 
 
 def train(args: argparse.Namespace, ctx: DistContext) -> None:
@@ -37,16 +63,22 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
     saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
-    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on,
-                         saved.split)
+    data = read_data(args.data_path, ctx, args.seed, args.num_classes, saved.split)
+    train_set, val_set = build_datasets(data, args.image_size, args.decode_on, ctx.device)
     # Each process trains on its own 1/world_size of every epoch (a DistributedSampler).
-    train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
-    options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
-    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
+    train_loader, val_loader = build_loaders(train_set, val_set, args.batch_size, ctx, args.workers, args.seed)
+    # Checked first: BatchNorm normalises this process's batch (with --syncBN on GPUs, every process's).
+    model = build_model(args.model, data.num_classes, args.weights, strict=args.eval_only,
+                        trains_on=(normalised_batch(args.batch_size, ctx, args.syncBN), args.image_size))
+    mixing = batch_transform(args.mixup_alpha, args.cutmix_alpha, data.num_classes)  # MixUp, CutMix or None
+    options = StepOptions.from_args(args, ctx.device, mixing)  # --amp, --channels-last, --accum-steps, ...
     model = model.to(ctx.device, memory_format=options.memory_format)
-    model = wrap_ddp(model, ctx, args.syncBN, args.compile, args.bucket_cap_mb, args.comm_hook)
+    # DDP's own keyword arguments go through: a body frozen while DDP all-reduces leaves unused parameters.
+    model = wrap_ddp(model, ctx, args.syncBN, args.compile, args.comm_hook, bucket_cap_mb=args.bucket_cap_mb,
+                     find_unused_parameters=args.freeze_layers)
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)  # for training and validation
     if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
-        evaluate_only(model, val_loader, ctx.device, options, data.class_names)
+        evaluate_only(model, criterion, val_loader, ctx.device, options, data.class_names)
         return
     # One step now learns from world_size x accum_steps x --batch-size images, so it may take a
     # proportionally larger step (the linear scaling rule, Goyal et al. 2017).
@@ -55,8 +87,8 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), saved) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, ctx.device, options, saved)
+    with RunRecorder(args.output_dir, ctx, data, vars(args), saved) as run:
+        fit(model, criterion, optimizer, train_loader, val_loader, ctx.device, args.epochs, scheduler, options, run)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,26 @@
 The two multi-process scripts are this recipe plus what DDP adds; diff them against this one.
 """
 
+from multi_train_utils.errors import quiet_ctrl_c_while_starting
+
+quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
+
 import argparse
 
 import torch
+from torch import nn
 
 from model import build_model
 from multi_train_utils.checkpoint import find_saved_run
 from multi_train_utils.cli import run_cli
-from multi_train_utils.data import build_loaders, load_datasets, seed_everything
+from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.fit import fit
 from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import evaluate_only
+from multi_train_utils.train_eval_utils import StepOptions, evaluate_only
+from my_dataset import batch_transform, build_datasets
+from utils import read_data
 
 
 def main(args: argparse.Namespace) -> None:
@@ -27,23 +33,27 @@ def main(args: argparse.Namespace) -> None:
     print(f"Training in one process on {ctx.device}")
     seed_everything(args.seed)
     saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
-    data = load_datasets(args.data_path, args.image_size, ctx, args.num_classes, args.seed, args.decode_on,
-                         saved.split)
-    train_loader, val_loader = build_loaders(data, args.batch_size, ctx, args.workers, args.seed)
-    options = StepOptions.from_args(args, ctx.device)  # --amp, --channels-last, --accum-steps
-    model = build_model(args.model, data.num_classes, args.weights, args.freeze_layers, strict=args.eval_only)
+    data = read_data(args.data_path, ctx, args.seed, args.num_classes, saved.split)
+    train_set, val_set = build_datasets(data, args.image_size, args.decode_on, ctx.device)
+    train_loader, val_loader = build_loaders(train_set, val_set, args.batch_size, ctx, args.workers, args.seed)
+    # Checked first: the model trains on batches of this size (BatchNorm needs 2 images) and images this large.
+    model = build_model(args.model, data.num_classes, args.weights, strict=args.eval_only,
+                        trains_on=(args.batch_size, args.image_size))
+    mixing = batch_transform(args.mixup_alpha, args.cutmix_alpha, data.num_classes)  # MixUp, CutMix or None
+    options = StepOptions.from_args(args, ctx.device, mixing)  # --amp, --channels-last, --accum-steps, ...
     model = model.to(ctx.device, memory_format=options.memory_format)
     if args.compile:
         model = torch.compile(model)
+    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)  # for training and validation
     if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
-        evaluate_only(model, val_loader, ctx.device, options, data.class_names)
+        evaluate_only(model, criterion, val_loader, ctx.device, options, data.class_names)
         return
     # Each optimizer step now learns from accum_steps batches (see the multi-process scripts for why).
     optimizer = build_optimizer(model, args.opt, args.lr * args.accum_steps, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
-    with RunRecorder(args.output_dir, ctx, data.split, vars(args), saved) as recorder:
-        fit(model, optimizer, scheduler, train_loader, val_loader, recorder, ctx.device, options, saved)
+    with RunRecorder(args.output_dir, ctx, data, vars(args), saved) as run:
+        fit(model, criterion, optimizer, train_loader, val_loader, ctx.device, args.epochs, scheduler, options, run)
 
 
 if __name__ == "__main__":

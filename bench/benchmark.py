@@ -38,27 +38,37 @@ sys.path.insert(0, str(REPO))  # run as `python bench/benchmark.py` from anywher
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from PIL import Image
+from torch import nn
 
 from bench.loader_benchmark import loader_benchmark
-from demo_data import ensure_demo_data
 from model import build_model
 from multi_train_utils.cli import OneLineErrorParser, at_least, positive_float, str2bool
-from multi_train_utils.data import build_loaders, load_datasets
-from multi_train_utils.ddp import COMM_HOOKS, wrap_ddp
-from multi_train_utils.distributed_utils import DistContext, barrier, cleanup, init_distributed_mode, single_process
+from multi_train_utils.data import build_loaders
+from multi_train_utils.distributed_utils import (
+    COMM_HOOKS,
+    DistContext,
+    barrier,
+    cleanup,
+    cpu_threads_per_process,
+    init_distributed_mode,
+    single_process,
+    wrap_ddp,
+)
 from multi_train_utils.errors import UserInputError, one_line, report
-from multi_train_utils.launch import cpu_threads_per_process
 from multi_train_utils.optim import build_optimizer
-from multi_train_utils.spawn_utils import spawn_workers
-from multi_train_utils.step_options import AMP_CHOICES, StepOptions
-from multi_train_utils.train_eval_utils import train_one_epoch
+from multi_train_utils.spawn_utils import meeting_on_a_free_port
+from multi_train_utils.train_eval_utils import AMP_CHOICES, StepOptions, train_one_epoch
+from my_dataset import build_datasets
+from utils import ensure_demo_data, read_data
 
 PHOTOS_ROOT = REPO / "data" / "bench_photos"
 PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's flower_photos
 MODES = ("single", "ddp", "nosync")
 SOURCES = ("synthetic", "folder")
 PROBE_TIMEOUT_S = 600
+CROSS_ENTROPY = nn.CrossEntropyLoss()
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -176,12 +186,13 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
         model, optimizer, options = training_setup(args, ctx, num_classes)
         options.sync_gradients = args.mode != "nosync"
         if warmup_steps:
-            train_one_epoch(model, optimizer, Take(batches, warmup_steps), ctx.device, epoch=0, options=options)
+            train_one_epoch(model, CROSS_ENTROPY, optimizer, Take(batches, warmup_steps), ctx.device, epoch=0,
+                            options=options)
         seconds = []
         for repeat in range(args.repeats):
             synchronize(ctx)
             started = time.perf_counter()
-            train_one_epoch(model, optimizer, Take(batches, args.steps), ctx.device, epoch=1 + repeat,
+            train_one_epoch(model, CROSS_ENTROPY, optimizer, Take(batches, args.steps), ctx.device, epoch=1 + repeat,
                             options=options)
             synchronize(ctx)
             seconds.append(time.perf_counter() - started)
@@ -200,8 +211,9 @@ def training_batches(args: argparse.Namespace, ctx: DistContext) -> tuple[Iterat
     total = args.warmup_steps + args.repeats * args.steps
     if args.source == "synthetic":
         return iter(synthetic_loader(args, ctx, 5, total)), 5, args.warmup_steps
-    data = load_datasets(args.data_path, args.image_size, ctx, decode_on=args.decode_on)
-    loader, _ = build_loaders(data, args.batch_size, ctx, args.workers)
+    data = read_data(args.data_path, ctx)
+    train_set, val_set = build_datasets(data, args.image_size, args.decode_on, ctx.device)
+    loader, _ = build_loaders(train_set, val_set, args.batch_size, ctx, args.workers)
     warmup_steps = args.warmup_steps + 2 * loader.num_workers
     return iter(Batches(loader, total + 2 * loader.num_workers)), data.num_classes, warmup_steps
 
@@ -258,7 +270,8 @@ def run_configuration(args: argparse.Namespace, mode: str, source: str, result_d
     # fork on a Linux CPU: the processes start in a moment instead of importing torch again (what they time
     # starts after start-up either way; the launch probes time the real spawn). CUDA does not survive a fork.
     fork = sys.platform == "linux" and args.device == "cpu"
-    spawn_workers(measure, nprocs, config, start_method="fork" if fork else "spawn")
+    with meeting_on_a_free_port():
+        mp.start_processes(measure, args=(nprocs, config), nprocs=nprocs, start_method="fork" if fork else "spawn")
     ranks = [json.loads((result_dir / f"{mode}_{source}_rank{r}.json").read_text()) for r in range(nprocs)]
     images = sum(r["images"] for r in ranks)
     figures = {"images_per_s": [images / max(times) for times in zip(*(r["seconds"] for r in ranks), strict=True)],
@@ -287,7 +300,8 @@ def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
                                 spawn_world_size=world_size if args.probe == "spawn" else None)
     try:
         model, optimizer, options = training_setup(args, ctx, num_classes=5)
-        train_one_epoch(model, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0, options=options)
+        train_one_epoch(model, CROSS_ENTROPY, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0,
+                        options=options)
         synchronize(ctx)
         (Path(args.probe_dir) / f"rank{ctx.rank}").write_text(str(time.time()))
     finally:
@@ -366,7 +380,7 @@ def benchmark(args: argparse.Namespace) -> dict:
                 probe_dir.mkdir()
                 launch[launcher] = time_to_first_step(args, launcher, probe_dir)
     gradient_mb = sum(p.numel() * 4 for p in build_model(args.model, 5).parameters()) / 2**20
-    train_images = len(load_datasets(args.data_path, args.image_size, single_process("cpu")).train)
+    train_images = len(read_data(args.data_path, single_process("cpu")).train_images_path)
     return summarize(args, results, launch, gradient_mb, train_images)
 
 
@@ -438,7 +452,8 @@ def main() -> None:
         if args.probe == "torchrun":
             probe_worker(0, 0, args)
         elif args.probe == "spawn":
-            spawn_workers(probe_worker, args.nproc, args)
+            with meeting_on_a_free_port():
+                mp.spawn(probe_worker, args=(args.nproc, args), nprocs=args.nproc)
         elif args.loader_only:
             data_path = args.data_path or str(ensure_photo_folder())
             figures = loader_benchmark(data_path, args.image_size, 1 if args.workers is None else args.workers,

@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))  # run as `python bench/gpu_check.py` from anywher
 
 import torch
 
-from multi_train_utils.versions import require_supported_pytorch
+from multi_train_utils.errors import require_supported_pytorch
 
 require_supported_pytorch()  # on an older PyTorch: one line, before any part starts and fails on it
 
@@ -430,10 +430,11 @@ def decode_check(device: torch.device) -> dict:
 
     from bench.benchmark import ensure_photo_folder
     from multi_train_utils.gpu_decode import EncodedImages, decode_batch
+    from my_dataset import MyDataSet, build_transforms
 
     photos = sorted(str(path) for path in ensure_photo_folder().glob("*/*.jpg"))
     paths = photos[:: max(1, len(photos) // 64)]  # every class
-    dataset = EncodedImages(paths, [0] * len(paths), image_size=224)
+    dataset = EncodedImages(MyDataSet(paths, [0] * len(paths), build_transforms(224)[0]))
     batch, _ = dataset.collate_fn([dataset[i] for i in range(len(paths))])
     reference = decode_batch(batch, torch.device("cpu"))
     result = compare_pixels([image.cpu() for image in decode_batch(batch, device)], reference)

@@ -29,10 +29,10 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from multi_train_utils.launch import usable_cpus
-from multi_train_utils.loader_workers import loader_start_method
-from multi_train_utils.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms
-from my_dataset import MyDataSet, collate_fn, load_rgb
+from multi_train_utils.data import loader_start_method
+from multi_train_utils.distributed_utils import usable_cpus
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
+from my_dataset import MyDataSet, build_transforms, collate_fn, load_rgb
 from utils import read_split_data
 
 PHOTO_SIZE = (500, 375)

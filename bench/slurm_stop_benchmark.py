@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from preemption_benchmark import spread, write_figures
 
-from demo_data import ensure_demo_dataset
 from slurm_cluster import SlurmCluster, for_this_machine, processes_of, sbatch_scripts, start_cluster, why_no_cluster
+from utils import ensure_demo_data
 
 PAGE = REPO / "docs" / "clusters.md"
 STOP_LINE = re.compile(r"Stopped by SIGTERM (at epoch \d+, step \d+|after epoch \d+)")
@@ -40,7 +40,7 @@ def start_job(cluster: SlurmCluster, script: str, folder: Path, flags: list[str]
     """Submit the script and wait until it is a second into its second epoch; its id and output folder."""
     out = folder / "run"
     folder.mkdir(parents=True)
-    (folder / "job.sh").write_text(for_this_machine(script, ensure_demo_dataset(), out, flags))
+    (folder / "job.sh").write_text(for_this_machine(script, ensure_demo_data(), out, flags))
     env = {**cluster.env, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
     job = cluster.sbatch(f"--chdir={REPO}", f"--output={folder / 'log'}", str(folder / "job.sh"), env=env)
     deadline = time.monotonic() + 600

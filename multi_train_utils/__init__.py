@@ -1,27 +1,30 @@
-"""The shared engine of the three training scripts: process set-up, data, the loops, and what a run writes.
+"""The shared engine of the three training scripts: process set-up, data loaders, the loops, and what a run
+writes. It imports nothing from the scripts' own files: they hand it the model, the datasets and the loss.
 
-The tutorial's helpers are importable from here (`from multi_train_utils import reduce_value`). They are
-loaded on first use, so that a module that needs only `multi_train_utils.errors` (the dataset, the demo
-data) does not load the whole engine, which itself imports those modules.
+The tutorial's helpers are importable from here (`from multi_train_utils import reduce_value`), loaded on first
+use: the scripts import `multi_train_utils.errors` before anything slow, to catch Ctrl-C from the first moment.
 
 Each module has one concern, named for it:
-  the loops          train_eval_utils (train_one_epoch, evaluate), fit (the epochs), hooks (the extension point)
-  the step           step_options (precision, memory format, accumulation), optim (optimizer, schedule),
-                     ddp (the wrapper), divergence (a loss gone NaN stops every rank)
-  process set-up     launch (who started this process), distributed_utils (the process group, rank helpers),
-                     spawn_utils (the spawn script's processes), shutdown (how every process of a job ends)
-  data               data (split, datasets, samplers, loaders), loader_workers, transforms
-  a run's files      checkpoint (what resumes a run), recorder (what a run writes), files (writes never left
-                     half done, loads that name the file), confusion and pictures (what validation draws)
+  the loops          train_eval_utils (train_one_epoch, evaluate, how each step runs, the hooks), fit (the epochs)
+  the optimizer      optim (optimizer and lr schedule, by flag)
+  process set-up     distributed_utils (who started this process, the process group, rank helpers, the DDP
+                     wrapper), spawn_utils (around the spawn script's mp.spawn), shutdown (how every process of
+                     a job ends together)
+  data               data (samplers, loaders, the loader's worker processes)
+  a run's files      checkpoint (what resumes a run, what "best" means), recorder (what a run writes: metrics,
+                     weights, TensorBoard), files (writes never left half done, loads that name the file),
+                     confusion and pictures (what validation counts and draws)
   flags              cli; errors (the ways a run ends early, in one line)
   PyTorch releases   versions (which releases are supported, and the calls that differ between them)
-  optional features  features lists them: ema, preemption, periodic_checkpoints, tensorboard_log; and gpu_decode
+  stopping           preemption (a stop signal stops every rank at the same step, with its checkpoint)
+  optional features  imported only when their flag is on (fit.optional_features): ema, periodic_checkpoints,
+                     freezing; and gpu_decode (my_dataset.build_datasets)
 """
 
 import importlib
 from typing import Any
 
-from .versions import require_supported_pytorch
+from .errors import require_supported_pytorch
 
 # Every program here imports this package before it does any work: on a PyTorch older than the oldest
 # supported one, it stops here with one line instead of failing later on a missing function.
@@ -32,7 +35,7 @@ _HOMES = {
     "get_world_size": "distributed_utils", "init_distributed_mode": "distributed_utils",
     "is_dist_avail_and_initialized": "distributed_utils", "is_main_process": "distributed_utils",
     "reduce_value": "distributed_utils", "UserInputError": "errors", "evaluate": "train_eval_utils",
-    "train_one_epoch": "train_eval_utils",
+    "train_one_epoch": "train_eval_utils", "fit": "fit",
 }
 __all__ = sorted(_HOMES)
 

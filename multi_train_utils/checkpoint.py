@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,24 +16,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from model import state_dict_mismatch
-
-from .ddp import unwrap_model
-from .distributed_utils import DistContext, get_world_size, is_dist_avail_and_initialized, print_main, reduce_value
-from .divergence import stop_if_diverged
+from .distributed_utils import (
+    DistContext,
+    broadcast_from_main,
+    get_world_size,
+    is_dist_avail_and_initialized,
+    print_main,
+    reduce_value,
+    unwrap_model,
+)
 from .errors import UserInputError
-from .files import load_file, refuse_a_folder_in_use
-from .hooks import Hook, StepEnd
+from .files import load_file, to_cpu
 from .optim import align_schedule, scheduled_lr
-from .step_options import StepOptions
+from .recorder import (
+    CHECKPOINT_NAME,
+    RunRecorder,
+    SavedRun,
+    model_weights,
+    newest_readable,
+    refuse_a_folder_in_use,
+)
+from .train_eval_utils import Hook, StepEnd, StepOptions, stop_if_diverged
 
-if TYPE_CHECKING:
-    from .recorder import RunRecorder
-
-CHECKPOINT_NAME = "checkpoint.pth"
-KEPT_CHECKPOINTS = "checkpoints"  # the older checkpoints that --keep-checkpoints keeps
-# What a run writes besides its checkpoint: if any of it is there, the folder holds a run's results.
-RESULTS = ("metrics.jsonl", "weights/*.pth", f"{KEPT_CHECKPOINTS}/*.pth")
+# Which way each --best-metric improves.
+BEST_METRICS = {"val_acc": "higher", "val_loss": "lower"}
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,23 +74,6 @@ def gather_rng_states() -> list[dict[str, Any]]:
     return states
 
 
-def to_cpu(tree: Any) -> Any:
-    """`tree` (a state dict, nested dicts and lists) with every tensor copied to the CPU, so that a file
-    saved on a GPU loads with a plain torch.load on a machine without one."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {key: to_cpu(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(value) for value in tree)
-    return tree
-
-
-def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's weights on the CPU: no `module.` or `_orig_mod.` prefix, loadable anywhere."""
-    return to_cpu(unwrap_model(model).state_dict())
-
-
 @dataclass
 class EpochProgress:
     """Where training stands inside an epoch: what a checkpoint written in the middle of one keeps, and
@@ -96,14 +85,6 @@ class EpochProgress:
     # still means the same with another number of processes.
     samples_seen: int = 0
     loss_sum: float = 0.0  # their summed training loss (for the epoch's train_loss)
-
-
-def position_name(checkpoint: dict[str, Any]) -> str:
-    """Where a checkpoint stands, as a file name: epoch-3-step-120, or epoch-3-end."""
-    progress = checkpoint.get("progress")
-    if progress:
-        return f"epoch-{progress['epoch']}-step-{progress['step']}"
-    return f"epoch-{checkpoint['epoch']}-end"
 
 
 # How an optimizer runs, not what it computes: they belong to this run (its device, its flags), not to
@@ -129,13 +110,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
                 param_state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
-def results_in(folder: Path) -> list[str]:
-    """The results of a run found in `folder` (metrics, weights, checkpoints), as paths relative to it."""
-    found = sorted({str(path.relative_to(folder)) for pattern in RESULTS for path in folder.glob(pattern)
-                    if path.is_file()})
-    return [name for name in found if name != "metrics.jsonl" or (folder / name).stat().st_size > 0]
-
-
 def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
     """Which checkpoint to continue from: --resume PATH, or with --resume auto (and in an attempt that
     torchrun restarted) the one in --output-dir if there is one. A fresh run never replaces a run's checkpoint
@@ -155,31 +129,6 @@ def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> P
     if existing.exists():
         raise UserInputError(f"--output-dir {output_dir}: holds a run already ({existing}); continue it with "
                              "--resume auto, or choose another --output-dir")
-    return None
-
-
-def refuse_results_without_a_checkpoint(folder: Path) -> None:
-    """Stop a fresh run before it overwrites, or mixes its own with, the metrics and weights of a run whose
-    checkpoint is missing (--save-every and a crash, files deleted by hand)."""
-    results = results_in(folder)
-    if results:
-        older = newest_readable(folder)
-        go_on = f"continue it with --resume {older}" if older else "choose another --output-dir"
-        raise UserInputError(f"--output-dir {folder}: holds the results of a run ({', '.join(results[:4])}"
-                             f"{', ...' if len(results) > 4 else ''}) but no {CHECKPOINT_NAME} to continue "
-                             f"from; {go_on}, or move those files away")
-
-
-def newest_readable(folder: Path, but: Path | None = None) -> Path | None:
-    """The newest checkpoint in `folder`'s checkpoints/ that loads, other than `but`."""
-    kept = sorted((folder / KEPT_CHECKPOINTS).glob("*.pth"), key=lambda path: path.stat().st_mtime, reverse=True)
-    for path in kept:
-        if path != but:
-            try:
-                load_file(path, "--resume")
-                return path
-            except UserInputError:
-                continue
     return None
 
 
@@ -208,33 +157,6 @@ def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sched
     scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
 
 
-def broadcast_from_main(obj: object) -> object:
-    """Rank 0's `obj` on every rank: only rank 0 needs to see the file system."""
-    if not is_dist_avail_and_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-@dataclass(frozen=True)
-class SavedRun:
-    """The checkpoint a run continues from: its path and contents; both None for a fresh start."""
-
-    path: str | None = None
-    state: dict[str, Any] | None = None
-
-    @property
-    def split(self) -> dict[str, list[str]] | None:
-        """The classes and the train/validation split the run started with (None before they were saved)."""
-        return self.state.get("split") if self.state else None
-
-    @property
-    def start_epoch(self) -> int:
-        """The first epoch the resumed run trains (a checkpoint inside an epoch names the one before)."""
-        return self.state["epoch"] + 1 if self.state else 0
-
-
 def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext) -> SavedRun:
     """The checkpoint to continue from, read by rank 0 and sent to every rank; found before the data is
     read, since a resumed run keeps the classes and the split it started with. A folder another run is
@@ -253,6 +175,48 @@ def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: 
     return SavedRun(*found) if found else SavedRun()
 
 
+def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """What keeps `state` from loading into `model`, in a few words (how many tensors, and the first of each
+    kind); None if it fits."""
+    own = model.state_dict()
+    missing = [name for name in own if name not in state]
+    unexpected = [name for name in state if name not in own]
+    reshaped = [name for name in own if name in state and own[name].shape != state[name].shape]
+    parts = [f"{len(missing)} tensor(s) missing, such as {missing[0]}" if missing else "",
+             f"{len(unexpected)} not in this model, such as {unexpected[0]}" if unexpected else "",
+             f"{len(reshaped)} of another shape, such as {reshaped[0]} ({tuple(state[reshaped[0]].shape)} saved, "
+             f"{tuple(own[reshaped[0]].shape)} here)" if reshaped else ""]
+    return "; ".join(part for part in parts if part) or None
+
+
+@dataclass
+class Best:
+    """The best value of one validation metric so far: the one rule of what "better" is, for the weights (best.pth)
+    and for their moving average (best_ema.pth). A tie counts as better: the later weights are kept."""
+
+    metric: str = "val_acc"
+    value: float | None = None
+
+    def update(self, metrics: dict[str, Any], prefix: str = "") -> bool:
+        """Whether `metrics` (its `prefix` + metric: ema_val_acc) is the best so far; if so, it is now. A NaN
+        loss never is."""
+        value, higher = metrics[prefix + self.metric], BEST_METRICS[self.metric] == "higher"
+        if value != value or (self.value is not None and (value < self.value if higher else value > self.value)):
+            return False
+        self.value = value
+        return True
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The best of a saved run, if it was judged by the same metric (else this run starts judging anew)."""
+        if state.get("metric") == self.metric:
+            self.value = state["value"]
+
+
+def saved_best(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The best of a checkpoint; one written before --best-metric existed kept its accuracy as best_acc."""
+    return checkpoint.get("best") or {"metric": "val_acc", "value": checkpoint.get("best_acc")}
+
+
 class Checkpointer(Hook):
     """The run's checkpoints: it resumes the saved run, follows where training stands inside each epoch,
     and builds the checkpoint at the end of an epoch or, when a feature asks (a stop signal, a cadence),
@@ -260,23 +224,21 @@ class Checkpointer(Hook):
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, options: StepOptions, recorder: RunRecorder,
-                 train_loader: DataLoader) -> None:
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None, options: StepOptions,
+                 recorder: RunRecorder, train_loader: DataLoader) -> None:
         self.model, self.optimizer, self.scheduler, self.options = model, optimizer, scheduler, options
         self.recorder, self.train_loader = recorder, train_loader
         self.steps_per_epoch = -(-len(train_loader) // options.accum_steps)
         self.samples_per_step = train_loader.batch_size * get_world_size() * options.accum_steps
         self.start = EpochProgress(0)
-        self.best_acc = 0.0
+        self.best = Best(recorder.args.get("best_metric", "val_acc"))
         self.hooks: list[Hook] = []  # whose state_dict() the checkpoint keeps too
         self.last_step: StepEnd | None = None
         self.last_saved: tuple[int, int | None] | None = None  # (epoch, step) of the last checkpoint written
         self.saved_at = time.monotonic()  # when it was written (or training started)
 
     def resume(self, saved: SavedRun) -> int:
-        """Load the saved run into this one, if there is one; return the epoch training goes on in."""
-        if saved.state is None:
-            return 0
+        """Load the saved run into this one; return the epoch training goes on in."""
         checkpoint = saved.state
         problem = state_dict_mismatch(unwrap_model(self.model), checkpoint["model"])
         if problem:
@@ -290,15 +252,15 @@ class Checkpointer(Hook):
                                  "whose state this optimizer cannot take; resume with it")
         try:
             load_optimizer_state(self.optimizer, checkpoint["optimizer"])
-        except ValueError as err:  # another --opt, or layers frozen or not (another set of parameters)
+        except ValueError as err:  # another set of parameters
             raise UserInputError(f"--resume {saved.path}: its optimizer state does not fit this run's optimizer "
-                                 f"({str(err).splitlines()[0]}); resume with the run's --opt and --freeze-layers"
-                                 ) from None
-        self.scheduler.load_state_dict(checkpoint["scheduler"])
+                                 f"({str(err).splitlines()[0]}); resume with the run's --model and --opt") from None
+        if self.scheduler is not None and checkpoint.get("scheduler"):
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
         if self.options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved without fp16
             self.options.scaler.load_state_dict(checkpoint["scaler"])
         self.restore_random_states(checkpoint)
-        self.best_acc = checkpoint["best_acc"]
+        self.best.load_state_dict(saved_best(checkpoint))
         progress = checkpoint.get("progress")
         self.start = EpochProgress(**progress) if progress else EpochProgress(checkpoint["epoch"] + 1)
         # The position is kept in samples: with other processes or batches, it is another step.
@@ -317,7 +279,7 @@ class Checkpointer(Hook):
         # The lr was scaled with the batch of one optimizer step (processes x accumulated batches); follow it.
         saved_batches = len(states) * checkpoint.get("args", {}).get("accum_steps", 1)
         batches = world_size * self.options.accum_steps
-        if batches != saved_batches:
+        if batches != saved_batches and self.scheduler is not None:
             rescale_lr(self.optimizer, self.scheduler, batches / saved_batches)
             print_main(f"The lr is scaled by {batches}/{saved_batches} with the batches of one optimizer step "
                        "(processes x --accum-steps)")
@@ -331,21 +293,18 @@ class Checkpointer(Hook):
         # The resumed epoch's shuffle starts after the samples the stopped run trained on already.
         if before.samples_seen:
             self.train_loader.sampler.skip(before.samples_seen)
-        align_schedule(self.scheduler, epoch * self.steps_per_epoch + before.step)  # the lr moves every step
+        if self.scheduler is not None:
+            align_schedule(self.scheduler, epoch * self.steps_per_epoch + before.step)  # the lr moves every step
         self.last_step = None
 
     def on_step_end(self, step: StepEnd) -> None:
         self.last_step = step
 
-    def step_in_epoch(self, step: StepEnd) -> int:
-        """Optimizer steps done in the epoch after `step`, those before the resume included."""
-        return self.resumed_part(step.epoch).step + step.step
-
     def position(self, step: StepEnd) -> EpochProgress:
         """Where training stands after `step`, counting the part of the epoch trained before this run."""
         before = self.resumed_part(step.epoch)
         loss_sum = reduce_value(step.loss_sum.detach().clone().float(), average=False).item()
-        return EpochProgress(step.epoch, self.step_in_epoch(step), before.samples_seen + step.images * get_world_size(),
+        return EpochProgress(step.epoch, step.step, before.samples_seen + step.images * get_world_size(),
                              before.loss_sum + loss_sum)
 
     def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
@@ -356,17 +315,19 @@ class Checkpointer(Hook):
             return
         trained = (self.last_step.images * get_world_size()) if self.last_step else 0
         metrics["train_loss"] = (before.loss_sum + metrics["train_loss"] * trained) / (before.samples_seen + trained)
-        metrics["lr"] = scheduled_lr(self.scheduler, epoch * self.steps_per_epoch)
+        if self.scheduler is not None:
+            metrics["lr"] = scheduled_lr(self.scheduler, epoch * self.steps_per_epoch)
 
     def build(self, epoch: int, progress: EpochProgress | None = None) -> dict[str, Any]:
         """All it takes to continue after `epoch` (the last finished one), or from `progress` inside the next:
-        weights, optimizer and schedule, the fp16 loss scale, the best accuracy so far, the random states of
+        weights, optimizer and schedule, the fp16 loss scale, the best figure so far, the random states of
         every rank, the arguments (to check that a resumed run is the same run), the classes and split it
         trains on, and the state of the hooks that keep one (the moving average of --model-ema)."""
         checkpoint = {
             "model": model_weights(self.model), "optimizer": to_cpu(self.optimizer.state_dict()),
-            "scheduler": self.scheduler.state_dict(), "scaler": self.options.scaler.state_dict(),
-            "epoch": epoch, "progress": asdict(progress) if progress else None, "best_acc": self.best_acc,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.options.scaler.state_dict(), "epoch": epoch,
+            "progress": asdict(progress) if progress else None, "best": asdict(self.best),
             "rng": to_cpu(gather_rng_states()), "args": self.recorder.args, "split": self.recorder.split,
         }
         for hook in self.hooks:
@@ -378,17 +339,16 @@ class Checkpointer(Hook):
         """Write the checkpoint of the step just taken (every rank takes part); return where it stands."""
         stop_if_diverged(step.non_finite, step.epoch, step.step)  # a checkpoint never keeps NaN weights
         progress = self.position(step)
-        self.recorder.write_checkpoint(self.build(step.epoch - 1, replace(progress)))
+        self.recorder.write_checkpoint(self.build(step.epoch - 1, replace(progress)),
+                                       f"epoch-{progress.epoch}-step-{progress.step}")
         self.last_saved, self.saved_at = (progress.epoch, progress.step), time.monotonic()
         return progress
 
     def save_epoch(self, epoch: int) -> None:
         """Write the checkpoint of the end of `epoch` (every rank takes part)."""
-        self.recorder.write_checkpoint(self.build(epoch))
+        self.recorder.write_checkpoint(self.build(epoch), f"epoch-{epoch}-end")
         self.last_saved, self.saved_at = (epoch, None), time.monotonic()
 
-    def improved(self, accuracy: float) -> bool:
-        """Whether `accuracy` is the best so far (ties too): best.pth is due."""
-        improved = accuracy >= self.best_acc
-        self.best_acc = max(self.best_acc, accuracy)
-        return improved
+    def improved(self, metrics: dict[str, Any]) -> bool:
+        """Whether the epoch's `metrics` are the best so far, by --best-metric: best.pth is due."""
+        return self.best.update(metrics)

@@ -1,5 +1,6 @@
 """The command line shared by the three scripts: the tutorial's flags, real booleans, checked ranges; and
-`run_cli`, through which every script runs."""
+`run_cli`, through which every script runs. docs/flags.md lists every flag (tests/test_readme.py checks it by
+name)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,13 @@ from functools import partial
 from pathlib import Path
 from typing import Literal, NoReturn
 
-from model import check_model_input, check_weights_source
-from utils import check_data_path
-
-from .checkpoint import CHECKPOINT_NAME
-from .ddp import COMM_HOOKS
+from .checkpoint import BEST_METRICS
+from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
 from .errors import UserInputError
 from .files import check_readable_file
-from .launch import detect_launch, usable_cpus
 from .optim import OPTIMIZERS, SCHEDULES
-from .shutdown import end_run, listen_for_stop_signals
-from .step_options import AMP_CHOICES
+from .shutdown import ends_in_one_line
+from .train_eval_utils import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
 
@@ -122,140 +119,140 @@ class OneLineErrorParser(argparse.ArgumentParser):
         raise UserInputError(f"{message} (see {self.prog} --help)")
 
 
+BOOLEAN = {"type": str2bool, "nargs": "?", "const": True}  # --flag, --flag true, --flag false
+
+
+def on_the_demo_data(name: str) -> str:
+    return f"(default {DATA_DEFAULTS[name]}; {DEMO_DEFAULTS[name]} on the demo data)"
+
+
+def default_weight_decays() -> str:
+    return ", ".join(f"{name} {decay:g}" for name, (_, _, decay) in OPTIMIZERS.items())
+
+
+# The flags, as argparse takes them (names, then add_argument's keywords): those of every script, then those of
+# the multi-process ones, of the spawn script and of the launch script. get_args_parser builds each parser from
+# them; docs/flags.md lists every flag (a test checks it by name).
+FLAGS = {
+    # the data
+    "--data-path": dict(default=None, help="folder with one sub-folder of images per class (or train/ and val/ "
+                        "folders of class sub-folders); without it, the built-in demo data"),
+    "--num_classes": dict(type=at_least(2), default=None, help="number of classes (default: from the data)"),
+    "--image-size": dict(type=at_least(16, MAX_IMAGE_SIZE), default=None, help="side of the square training crop "
+                         f"in pixels {on_the_demo_data('image_size')}"),
+    "--workers": dict(type=at_least(0, WORKERS_PER_CPU * usable_cpus()), default=None, help="data-loader processes "
+                      "per training process (default on GPUs: this process's share of the CPUs it may use, less "
+                      "one, at most 16; on CPUs: a quarter of that share, at most 4, so none on small CPUs)"),
+    "--decode-on": dict(choices=("cpu", "gpu"), default="cpu", help="gpu: the loader workers only read the "
+                        "training JPEGs; the GPU decodes and augments them (nvjpeg; on a CPU this falls back to "
+                        "cpu, with a notice)"),
+    "--seed": dict(type=at_least(0, MAX_SEED), default=0, help="seed for the split, the initial weights and the "
+                   "data order"),
+    # training
+    "--epochs": dict(type=at_least(1, 1_000_000), default=None, help=f"epochs to train {on_the_demo_data('epochs')}"),
+    "--batch-size": dict(type=at_least(1, 65536), default=None, help="images per batch in each process "
+                         f"{on_the_demo_data('batch_size')}"),
+    "--lr": dict(type=partial(positive_float, at_most=MAX_LR), default=None, help="learning rate for one process; "
+                 f"multiplied by the number of processes {on_the_demo_data('lr')}"),
+    "--opt": dict(default="sgd", choices=tuple(OPTIMIZERS), help="the optimizer (optim.py: SGD with momentum 0.9, "
+                  "or AdamW)"),
+    "--weight-decay": dict(type=partial(non_negative_float, at_most=10.0), default=None, help="weight decay of the "
+                           "weights of convolutions and linear layers; biases and normalisation layers get none "
+                           f"(default: {default_weight_decays()})"),
+    "--sched": dict(default="cosine", choices=tuple(SCHEDULES), help="the lr schedule after the warm-up, stepped "
+                    "every optimizer step: cosine down to --lrf x --lr, a tenth as large after each third of "
+                    "training, or constant"),
+    "--lrf": dict(type=fraction, default=None, help="--sched cosine: the final lr as a fraction of --lr (default "
+                  "0.1)"),
+    "--warmup-epochs": dict(type=at_least(0), default=0, help="epochs of linear lr warm-up before the schedule, "
+                            "rising every optimizer step"),
+    "--model": dict(default="resnet34", help="a model registered in model.py, or any torchvision classification "
+                    "model, by name"),
+    "--weights": dict(default="", help="starting weights: a .pth file, or a torchvision weights name such as "
+                      "DEFAULT (downloads)"),
+    "--freeze-layers": dict(**BOOLEAN, default=False, help="train only the classifier (true/false)"),
+    "--unfreeze-epoch": dict(type=at_least(1), default=None, help="with --freeze-layers: from this epoch on, every "
+                             "layer trains (default: the classifier alone, always)"),
+    "--device": dict(default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N; or, for one process, mps "
+                     "(Apple GPUs)"),
+    # opt-in tricks of torchvision's references and timm; off, the step is the tutorial's
+    "--label-smoothing": dict(type=below_one, default=0.0, help="the target of the loss: 1 - s on the true class, s "
+                              "spread evenly over all classes (0: off; 0.1 is usual)"),
+    "--mixup-alpha": dict(type=partial(non_negative_float, at_most=100.0), default=0.0, help="MixUp: each training "
+                          "batch blends pairs of images and their labels by a share drawn from Beta(alpha, alpha) "
+                          "(0: off; 0.2 is usual)"),
+    "--cutmix-alpha": dict(type=partial(non_negative_float, at_most=100.0), default=0.0, help="CutMix: a box of one "
+                           "training image pasted into another, the labels mixed by its area (0: off; 1.0 is "
+                           "usual); with --mixup-alpha as well, one of the two for each batch"),
+    "--clip-grad-norm": dict(type=partial(positive_float, at_most=1e6), default=None, help="scale the gradients "
+                             "down where their total L2 norm exceeds this (default: no limit)"),
+    "--model-ema": dict(**BOOLEAN, default=False, help="also keep, validate and save a moving average of the "
+                        "weights (weights/best_ema.pth; true/false)"),
+    "--model-ema-decay": dict(type=decay, default=0.999, help="the average's decay per batch of one process; each "
+                              "optimizer step decays it as many times as it has batches (processes x "
+                              "--accum-steps)"),
+    # speed
+    "--amp": dict(nargs="?", const="auto", default="off", choices=AMP_CHOICES, help="mixed precision: bf16 or fp16 "
+                  "autocast (fp16 with loss scaling, CUDA only); auto or the bare flag: bf16 where the device "
+                  "computes in it, else fp16 on a GPU and float32 on a CPU"),
+    "--channels-last": dict(**BOOLEAN, default=False, help="channels-last (NHWC) memory format for the model and "
+                            "the images (true/false)"),
+    "--compile": dict(**BOOLEAN, default=False, help="torch.compile the model (minutes of compiling first; "
+                      "true/false)"),
+    "--accum-steps": dict(type=at_least(1, 1024), default=1, help="batches whose gradients add up before each "
+                          "optimizer step (the lr is multiplied by it too)"),
+    # what the run writes
+    "--output-dir": dict(default="output", help="folder for everything the run writes"),
+    "--save-every": dict(type=at_least(1), default=1, help="write the checkpoint every N epochs (and after the "
+                         "last); a resume goes back to the last one"),
+    "--keep-epoch-weights": dict(**BOOLEAN, default=True, help="keep weights/model-{epoch}.pth of every epoch; "
+                                 "false: only best.pth and the checkpoint (true/false)"),
+    "--best-metric": dict(default="val_acc", choices=tuple(BEST_METRICS), help="what makes weights/best.pth (and "
+                          "best_ema.pth) the best: the highest val_acc or the lowest val_loss"),
+    "--checkpoint-every-steps": dict(type=at_least(1), default=None, help="also write the checkpoint inside "
+                                     "epochs, every N optimizer steps (default: only after epochs)"),
+    "--checkpoint-every-minutes": dict(type=partial(positive_float, at_most=1e6), default=None, help="also write "
+                                       "the checkpoint inside epochs, once M minutes have passed since the last one"),
+    "--stop-grace": dict(type=partial(positive_float, at_most=86400), default=20.0, help="seconds after a SIGTERM "
+                         "that a process may take to reach its next step and save it; one that has not by then "
+                         "stops without saving, before the scheduler kills it (SLURM, Kubernetes and torchrun kill "
+                         "30 s after SIGTERM by default)"),
+    "--keep-checkpoints": dict(type=at_least(1, 1000), default=1, help="how many of the newest checkpoints to keep: "
+                               "checkpoint.pth, and the K-1 before it in checkpoints/"),
+    "--resume": dict(default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there is "
+                     "one (an attempt that torchrun restarted does this by itself)"),
+    "--eval-only": dict(**BOOLEAN, default=False, help="train nothing: validate --weights (default: --output-dir's "
+                        "weights/best.pth) once on the run's validation split, and print the result as one JSON "
+                        "line (true/false)"),
+}
+MULTI_PROCESS_FLAGS = {
+    "--syncBN": dict(**BOOLEAN, default=False, help="SyncBatchNorm: BatchNorm statistics over the global batch "
+                     "(CUDA only; true/false)"),
+    "--bucket-cap-mb": dict(type=partial(positive_float, at_most=4096), default=25.0, help="size of DDP's gradient "
+                            "buckets: each bucket is all-reduced as soon as its gradients are ready"),
+    "--comm-hook": dict(default="none", choices=COMM_HOOKS, help="send the gradients as 16-bit numbers (half the "
+                        "bytes per all-reduce)"),
+    "--dist-url": dict(default="env://", help="how processes find each other: env:// reads MASTER_ADDR/PORT, or "
+                       "tcp://HOST:PORT, file://PATH"),
+    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6), default=900.0, help="seconds a collective may "
+                           "wait for the other processes before the job fails"),
+}
+SPAWN_FLAGS = {"--world-size": dict(type=at_least(1), default=None, help="number of processes to start (default: "
+                                    "one per visible GPU, or 2 on CPU)")}
+# The legacy `python -m torch.distributed.launch` (without --use_env) passes this; LOCAL_RANK in the environment
+# says the same, and is what we read.
+LAUNCH_FLAGS = {"--local-rank --local_rank": dict(type=int, default=None, help=argparse.SUPPRESS)}
+FLAGS_OF = {"single": (FLAGS,), "launch": (FLAGS, MULTI_PROCESS_FLAGS, LAUNCH_FLAGS),
+            "spawn": (FLAGS, MULTI_PROCESS_FLAGS, SPAWN_FLAGS)}
+
+
 def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
     """The flags of one script; multi-process flags only where they apply."""
     parser = OneLineErrorParser(add_help=add_help, formatter_class=DefaultsOnceFormatter)
-    add_data_flags(parser)
-    add_training_flags(parser, launcher)
-    add_speed_flags(parser, launcher)
-    add_output_flags(parser)
-    if launcher != "single":
-        add_process_flags(parser, launcher)
+    for flags in FLAGS_OF[launcher]:
+        for names, options in flags.items():
+            parser.add_argument(*names.split(), **options)
     return parser
-
-
-def add_data_flags(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--data-path", default=None,
-        help="folder with one sub-folder of images per class; without it, the built-in demo data")
-    add("--num_classes", type=at_least(2), default=None, help="number of classes (default: from the data)")
-    add("--image-size", type=at_least(16, MAX_IMAGE_SIZE), default=None,
-        help=f"side of the square training crop in pixels (default {DATA_DEFAULTS['image_size']}; "
-             f"{DEMO_DEFAULTS['image_size']} on the demo data)")
-    add("--workers", type=at_least(0, WORKERS_PER_CPU * usable_cpus()), default=None,
-        help="data-loader processes per training process (default on GPUs: this process's share of the CPUs it "
-             "may use, less one, at most 16; on CPUs: a quarter of that share, at most 4, so none on small CPUs)")
-    add("--decode-on", choices=("cpu", "gpu"), default="cpu",
-        help="gpu: the loader workers only read the training JPEGs; the GPU decodes, crops and flips them "
-             "(nvjpeg; on a CPU this falls back to cpu, with a notice)")
-    add("--seed", type=at_least(0, MAX_SEED), default=0,
-        help="seed for the split, the initial weights and the data order")
-
-
-def add_training_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
-    add = parser.add_argument
-    add("--epochs", type=at_least(1, 1_000_000), default=None,
-        help=f"epochs to train (default {DATA_DEFAULTS['epochs']}; {DEMO_DEFAULTS['epochs']} on the demo data)")
-    add("--batch-size", type=at_least(1, 65536), default=None,
-        help=f"images per batch in each process (default {DATA_DEFAULTS['batch_size']}; "
-             f"{DEMO_DEFAULTS['batch_size']} on the demo data)")
-    add("--lr", type=partial(positive_float, at_most=MAX_LR), default=None,
-        help=f"learning rate for one process; multiplied by the number of processes "
-             f"(default {DATA_DEFAULTS['lr']}; {DEMO_DEFAULTS['lr']} on the demo data)")
-    add("--opt", default="sgd", choices=tuple(OPTIMIZERS), help="the optimizer (optim.py: SGD with momentum 0.9, "
-        "or AdamW)")
-    add("--weight-decay", type=partial(non_negative_float, at_most=10.0), default=None,
-        help="weight decay of the weights of convolutions and linear layers; biases and normalisation layers get "
-             f"none (default: {', '.join(f'{name} {decay:g}' for name, (_, _, decay) in OPTIMIZERS.items())})")
-    add("--sched", default="cosine", choices=tuple(SCHEDULES),
-        help="the lr schedule after the warm-up, stepped every optimizer step: cosine down to --lrf x --lr, a tenth "
-             "as large after each third of training, or constant")
-    add("--lrf", type=fraction, default=None, help="--sched cosine: the final lr as a fraction of --lr (default 0.1)")
-    add("--warmup-epochs", type=at_least(0), default=0,
-        help="epochs of linear lr warm-up before the schedule, rising every optimizer step")
-    add("--model", default="resnet34",
-        help="a model registered in model.py, or any torchvision classification model, by name")
-    add("--weights", default="",
-        help="starting weights: a .pth file, or a torchvision weights name such as DEFAULT (downloads)")
-    add("--freeze-layers", type=str2bool, nargs="?", const=True, default=False,
-        help="train only the classifier (true/false)")
-    if launcher != "single":
-        add("--syncBN", type=str2bool, nargs="?", const=True, default=False,
-            help="SyncBatchNorm: BatchNorm statistics over the global batch (CUDA only; true/false)")
-    add("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N"
-        + (" (or mps: Apple GPUs)" if launcher == "single" else ""))
-    add_trick_flags(parser)
-
-
-def add_trick_flags(parser: argparse.ArgumentParser) -> None:
-    """Opt-in training tricks of torchvision's references and timm; off, the step is the tutorial's."""
-    add = parser.add_argument
-    add("--label-smoothing", type=below_one, default=0.0,
-        help="training target: 1 - s on the true class, s spread evenly over all classes (0: off; 0.1 is usual)")
-    add("--clip-grad-norm", type=partial(positive_float, at_most=1e6), default=None,
-        help="scale the gradients down where their total L2 norm exceeds this (default: no limit)")
-    add("--model-ema", type=str2bool, nargs="?", const=True, default=False,
-        help="also keep, validate and save a moving average of the weights (weights/best_ema.pth; true/false)")
-    add("--model-ema-decay", type=decay, default=0.999,
-        help="the average's decay per batch of one process; each optimizer step decays it as many times as it "
-             "has batches (processes x --accum-steps)")
-
-
-def add_speed_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
-    add = parser.add_argument
-    add("--amp", nargs="?", const="auto", default="off", choices=AMP_CHOICES,
-        help="mixed precision: bf16 or fp16 autocast (fp16 with loss scaling, CUDA only); auto or the bare "
-             "flag: bf16 where the device computes in it, else fp16 on a GPU and float32 on a CPU")
-    add("--channels-last", type=str2bool, nargs="?", const=True, default=False,
-        help="channels-last (NHWC) memory format for the model and the images (true/false)")
-    add("--compile", type=str2bool, nargs="?", const=True, default=False,
-        help="torch.compile the model (minutes of compiling first; true/false)")
-    add("--accum-steps", type=at_least(1, 1024), default=1,
-        help="batches whose gradients add up before each optimizer step (the lr is multiplied by it too)")
-    if launcher != "single":
-        add("--bucket-cap-mb", type=partial(positive_float, at_most=4096), default=25.0,
-            help="size of DDP's gradient buckets: each bucket is all-reduced as soon as its gradients are ready")
-        add("--comm-hook", default="none", choices=COMM_HOOKS,
-            help="send the gradients as 16-bit numbers (half the bytes per all-reduce)")
-
-
-def add_output_flags(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--output-dir", default="output", help="folder for everything the run writes")
-    add("--save-every", type=at_least(1), default=1,
-        help="write the checkpoint every N epochs (and after the last); a resume goes back to the last one")
-    add("--keep-epoch-weights", type=str2bool, nargs="?", const=True, default=True,
-        help="keep weights/model-{epoch}.pth of every epoch; false: only best.pth and the checkpoint (true/false)")
-    add("--checkpoint-every-steps", type=at_least(1), default=None,
-        help="also write the checkpoint inside epochs, every N optimizer steps (default: only after epochs)")
-    add("--checkpoint-every-minutes", type=partial(positive_float, at_most=1e6), default=None,
-        help="also write the checkpoint inside epochs, once M minutes have passed since the last one")
-    add("--stop-grace", type=partial(positive_float, at_most=86400), default=20.0,
-        help="seconds after a SIGTERM that a process may take to reach its next step and save it; one that has "
-             "not by then stops without saving, before the scheduler kills it (SLURM, Kubernetes and torchrun "
-             "kill 30 s after SIGTERM by default)")
-    add("--keep-checkpoints", type=at_least(1, 1000), default=1,
-        help="how many of the newest checkpoints to keep: checkpoint.pth, and the K-1 before it in checkpoints/")
-    add("--resume", default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there "
-        "is one (an attempt that torchrun restarted does this by itself)")
-    add("--eval-only", type=str2bool, nargs="?", const=True, default=False,
-        help="train nothing: validate --weights (default: --output-dir's weights/best.pth) once on the run's "
-             "validation split, and print the result as one JSON line (true/false)")
-
-
-def add_process_flags(parser: argparse.ArgumentParser, launcher: Launcher) -> None:
-    add = parser.add_argument
-    if launcher == "spawn":
-        add("--world-size", type=at_least(1), default=None,
-            help="number of processes to start (default: one per visible GPU, or 2 on CPU)")
-    add("--dist-url", default="env://",
-        help="how processes find each other: env:// reads MASTER_ADDR/PORT, or tcp://HOST:PORT, file://PATH")
-    add("--dist-timeout", type=partial(positive_float, at_most=1e6), default=900.0,
-        help="seconds a collective may wait for the other processes before the job fails")
-    if launcher == "launch":
-        # The legacy `python -m torch.distributed.launch` (without --use_env) passes this; LOCAL_RANK
-        # in the environment says the same, and is what we read.
-        add("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -286,6 +283,8 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
                 "costs more than compiling saves; use one of the two")
     if args.warmup_epochs >= args.epochs:
         return f"--warmup-epochs {args.warmup_epochs}: must be fewer than --epochs {args.epochs}"
+    if args.unfreeze_epoch is not None and not args.freeze_layers:
+        return f"--unfreeze-epoch {args.unfreeze_epoch}: there is nothing to unfreeze without --freeze-layers"
     if args.lrf is not None and args.sched != "cosine":
         return f"--lrf {args.lrf:g}: the final lr of --sched cosine; --sched {args.sched} has none"
     if args.device == "mps" and hasattr(args, "dist_url"):
@@ -298,33 +297,27 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
 
 def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
             argv: Sequence[str] | None = None) -> None:
-    """Parse the flags, check them against the model and the files, then run `main`. However the run ends
-    early, shutdown.end_run ends it: a mistake the user can fix with one line and exit code 2, Ctrl-C with
+    """Parse the flags, check them against the files, then run `main`. However the run ends early,
+    errors.ends_in_one_line ends it: a mistake the user can fix with one line and exit code 2, Ctrl-C with
     one line and 130, a stop signal with one line and 143 (during training, after the checkpoint of the
     step where every rank stopped), every `finally` clean-up first."""
-    listen_for_stop_signals()
-    args = None
-    try:
+    rank, under_a_launcher = 0, False
+    if launcher == "launch":  # this process may be any rank of a launcher's job, and the launcher may die first
+        launch = detect_launch(os.environ)
+        rank, under_a_launcher = launch.rank, launch.source != "single"
+    with ends_in_one_line(rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
+        ending.output_dir = args.output_dir  # the stop line names the run's last checkpoint
         check_before_start(args)
         main(args)
-    except BaseException as err:
-        if isinstance(err, SystemExit) and err.code in (None, 0):  # --help, or a run that finished
-            raise
-        checkpoint = Path(args.output_dir) / CHECKPOINT_NAME if args else None
-        end_run(err, detect_launch(os.environ).rank, checkpoint)
 
 
 def check_before_start(args: argparse.Namespace) -> None:
-    """What the parser cannot see: that the model exists and takes this batch, that the files are files."""
-    check_model_input(args.model, args.image_size, args.batch_size)
+    """What the parser cannot see: that the files named are files (the model and the data are checked where
+    they are read)."""
     if args.eval_only and not Path(args.weights).is_file():
         raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
                              "with --weights, or the run's folder with --output-dir")
-    if args.weights:
-        check_weights_source(args.model, args.weights)
-    if args.data_path:
-        check_data_path(Path(args.data_path))
     if args.resume not in (None, "auto"):
         check_readable_file(Path(args.resume), "--resume")
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():

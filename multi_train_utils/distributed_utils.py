@@ -1,7 +1,10 @@
-"""Process-group set-up and tear-down, and the rank helpers the rest of the code uses.
+"""Who this process is, and the process group it trains in: the launcher's variables read once, the device,
+joining and leaving the group, the rank helpers, the collectives the rest of the code uses, and the DDP wrapper.
 
 Everything here also works with one process and no process group, so the training code never has to
-ask "am I distributed?" before printing, saving or reducing.
+ask "am I distributed?" before printing, saving or reducing. Reading the launcher (detect_launch) is a pure
+function of the environment it is given, so every launcher (torchrun, the legacy torch.distributed.launch,
+srun, torch.multiprocessing.spawn, plain python) is tested without starting one.
 """
 
 from __future__ import annotations
@@ -9,16 +12,132 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import re
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
-from .errors import UserInputError
-from .launch import Launch, check_one_gpu_per_process, cpu_threads_for, detect_launch
-from .versions import abort_process_group
+from .errors import UserInputError, report
+from .versions import abort_process_group, uncompiled
+
+# SLURM gives no port; every job on a node needs its own, so derive one from the job id.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_RANGE = 10000
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who this process is, as told by whatever started it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    source: str  # "torchrun", "slurm", "spawn" or "single"
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+def detect_launch(env: Mapping[str, str], spawn_rank: int | None = None,
+                  spawn_world_size: int | None = None) -> Launch:
+    """Read the ranks from whoever started this process. Pure: reads `env`, changes nothing.
+
+    A rank handed in by `torch.multiprocessing.spawn` wins, because it is the most explicit (a spawn
+    script started inside a SLURM allocation must not pick up SLURM's ranks). Then torchrun (and the
+    legacy `torch.distributed.launch`, which sets the same variables), then SLURM's `srun`.
+    """
+    if spawn_rank is not None:
+        if spawn_world_size is None:
+            raise ValueError("spawn_world_size is needed with spawn_rank")
+        return Launch(spawn_rank, spawn_rank, spawn_world_size, spawn_world_size, "spawn")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        # torchrun also says how many of the processes share this machine. Whoever sets RANK and WORLD_SIZE
+        # alone (a cluster operator that starts one process per container) starts one per machine.
+        return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
+                      int(env.get("LOCAL_WORLD_SIZE", 1)), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        # Only srun sets SLURM_STEP_NUM_TASKS. A batch script or an salloc shell also has SLURM_PROCID=0
+        # and the allocation's SLURM_NTASKS, but no other tasks will come: there we run as one process.
+        world_size = int(env["SLURM_STEP_NUM_TASKS"])
+        nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
+        job_id = int(env.get("SLURM_JOB_ID", 0))
+        node_list = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST")))
+        return Launch(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=world_size,
+            local_world_size=max(1, world_size // max(1, nodes)),
+            source="slurm",
+            master_addr=env.get("MASTER_ADDR") or (first_host(node_list) if node_list else "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE)),
+        )
+    return Launch(0, 0, 1, 1, "single")
+
+
+def first_host(node_list: str) -> str:
+    """First host of a SLURM node list such as ``gpu[07-09,12],cpu3`` (gives ``gpu07``)."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", node_list.strip())
+    if not match:
+        raise UserInputError(f"cannot read the SLURM node list {node_list!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+# The flag that sets how many processes run on one machine, by launcher: what a user must change.
+PROCESSES_PER_MACHINE_FLAG = {"torchrun": "--nproc_per_node", "slurm": "--ntasks-per-node", "spawn": "--world-size"}
+
+
+def check_one_gpu_per_process(launch: Launch, visible_gpus: int, env: Mapping[str, str]) -> None:
+    """Refuse, before any process group exists, more processes on this machine than GPUs they can tell apart.
+
+    Two processes on one GPU make NCCL fail inside init_process_group ("Duplicate GPU detected"). One
+    exception: srun may show each task only its own GPU (--gpus-per-task=1), so a task that sees one GPU
+    trusts SLURM, unless SLURM itself says the node has fewer GPUs than tasks.
+    """
+    if launch.local_world_size <= visible_gpus:
+        return
+    if launch.source == "slurm" and visible_gpus == 1:
+        gpus_on_node = env.get("SLURM_GPUS_ON_NODE", "")
+        if not gpus_on_node.isdigit() or int(gpus_on_node) >= launch.local_world_size:
+            return
+        visible_gpus = int(gpus_on_node)
+    flag = PROCESSES_PER_MACHINE_FLAG.get(launch.source, "--nproc_per_node")
+    raise UserInputError(f"{flag} {launch.local_world_size}: {launch.local_world_size} processes on this machine "
+                         f"but {visible_gpus} GPU(s); NCCL needs a GPU of its own for each process (start at "
+                         f"most {visible_gpus}, or train on the CPU with --device cpu)")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: a container's or SLURM's limit, not the machine's core count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity masks
+        return os.cpu_count() or 1
+
+
+def cpu_threads_per_process(local_world_size: int) -> int:
+    """Share the cores: every process otherwise starts one thread per core and they fight (3x slower)."""
+    return max(1, usable_cpus() // local_world_size)
+
+
+def cpu_threads_for(launch: Launch, env: Mapping[str, str]) -> int:
+    """This process's share of the cores: SLURM's --cpus-per-task for a task of srun (whether or not SLURM binds
+    each task to cores of its own: without that, each would take all the node's), else the usable CPUs shared
+    by the processes on this machine."""
+    cpus_per_task = env.get("SLURM_CPUS_PER_TASK", "")
+    if launch.source == "slurm" and cpus_per_task.isdigit() and int(cpus_per_task) > 0:
+        return min(int(cpus_per_task), usable_cpus())
+    return cpu_threads_per_process(launch.local_world_size)
 
 
 @dataclass(frozen=True)
@@ -42,10 +161,8 @@ def resolve_device(requested: str | None, local_rank: int, distributed: bool) ->
     """`--device`: auto (CUDA when present), cpu, cuda, cuda:N, a bare GPU index, or mps (one process)."""
     if requested in (None, "", "auto"):
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.isdigit():
-        requested = f"cuda:{requested}"
     try:
-        device = torch.device(requested)
+        device = torch.device(f"cuda:{requested}" if requested.isdigit() else requested)
     except RuntimeError:
         raise UserInputError(f"--device {requested!r}: expected auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cpu":
@@ -54,11 +171,15 @@ def resolve_device(requested: str | None, local_rank: int, distributed: bool) ->
         return apple_gpu()
     if device.type != "cuda":
         raise UserInputError(f"--device {requested!r}: only cpu, cuda and mps are supported")
+    return cuda_device(requested, device.index, local_rank, distributed)
+
+
+def cuda_device(requested: str, index: int | None, local_rank: int, distributed: bool) -> torch.device:
+    """This process's GPU. With several processes on a node, each one takes the GPU of its local rank; where the
+    scheduler shows each process only its own GPU (srun --gpus-per-task=1), that one."""
     if not torch.cuda.is_available():
         raise UserInputError(f"--device {requested}: no CUDA GPU is visible (use --device cpu)")
-    # With several processes on a node, each one takes the GPU of its local rank; where the scheduler
-    # shows each process only its own GPU (srun --gpus-per-task=1), that one.
-    index = (local_rank if torch.cuda.device_count() > 1 else 0) if distributed else (device.index or 0)
+    index = (local_rank if torch.cuda.device_count() > 1 else 0) if distributed else (index or 0)
     if index >= torch.cuda.device_count():
         raise UserInputError(f"--device {requested}: GPU {index} asked for, "
                              f"but only {torch.cuda.device_count()} visible")
@@ -91,11 +212,13 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
     `torchrun --nproc_per_node=1` runs the same DDP code as eight processes); plain python: one process."""
     launch = detect_launch(os.environ, spawn_rank, spawn_world_size)
     ctx = process_context(launch, device)
-    if not ctx.distributed:
-        return ctx
-    from .shutdown import stop_when_launcher_dies  # imported here: shutdown builds on this module
+    if ctx.distributed:
+        join_process_group(launch, ctx, dist_url, timeout_s)
+    return ctx
 
-    stop_when_launcher_dies()
+
+def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_s: float) -> None:
+    """init_process_group: NCCL between GPUs, gloo on CPUs; the processes meet where the launcher says."""
     if launch.master_addr is not None:
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
@@ -110,14 +233,11 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
             rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
         )
     except RuntimeError as err:
-        if not port_was_taken(err) or os.environ.get("MASTER_PORT_CHOSEN_BY") == "spawn":
-            raise  # the spawn script picked that port itself, and tries another
-        raise UserInputError(f"MASTER_PORT {os.environ.get('MASTER_PORT')}: another program listens on that "
-                             "port; choose a free one, or unset MASTER_PORT for the spawn script to pick one"
-                             ) from None
-    print(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
-          f"local rank {ctx.local_rank}, {ctx.device}", flush=True)
-    return ctx
+        if not port_was_taken(err):
+            raise
+        raise UserInputError(port_taken_line(os.environ.get("MASTER_PORT"))) from None
+    report(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
+           f"local rank {ctx.local_rank}, {ctx.device}", sys.stdout)  # every rank: one write each, never run together
 
 
 def process_context(launch: Launch, device: str | None) -> DistContext:
@@ -136,6 +256,14 @@ def process_context(launch: Launch, device: str | None) -> DistContext:
 
 def port_was_taken(err: BaseException) -> bool:
     return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
+
+
+def port_taken_line(port: str | None) -> str:
+    if os.environ.get("MASTER_PORT_CHOSEN_BY") == "spawn":  # free when chosen, taken a moment later
+        return (f"port {port}, free when the spawn script chose it, was taken by another program before the "
+                "processes met there; start the job again")
+    return (f"MASTER_PORT {port}: another program listens on that port; choose a free one, or unset "
+            "MASTER_PORT for the spawn script to pick one")
 
 
 def use_device(device: torch.device) -> None:
@@ -264,8 +392,90 @@ def reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return totals
 
 
+def broadcast_from_main(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (any object that pickles): what only rank 0 reads from the file system."""
+    if not is_dist_avail_and_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on right now (it may be taken before we use it: callers retry)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+COMM_HOOKS = ("none", "bf16", "fp16")
+
+
+def wrap_ddp(model: nn.Module, ctx: DistContext, sync_bn: bool = False, compile_model: bool = False,
+             comm_hook: str = "none", **ddp_options: Any) -> nn.Module:
+    """Put `model` (already on ctx.device) under DDP; with one process, return it unchanged (compiled if
+    asked). `ddp_options` are DistributedDataParallel's own keyword arguments (bucket_cap_mb,
+    find_unused_parameters, static_graph, ...).
+
+    DDP's constructor broadcasts rank 0's parameters and buffers, so every rank starts from the
+    same weights without a shared temporary file.
+    """
+    if sync_bn and not sync_bn_applies(ctx):
+        print_main("--syncBN: switched off: PyTorch's SyncBatchNorm runs on CUDA GPUs only, with several processes"
+                   "; each process normalises over its own batch.")
+    if not ctx.distributed:
+        return torch.compile(model) if compile_model else model
+    return distributed_model(model, ctx, sync_bn and sync_bn_applies(ctx), compile_model, comm_hook, ddp_options)
+
+
+def distributed_model(model: nn.Module, ctx: DistContext, sync_bn: bool, compile_model: bool, comm_hook: str,
+                      ddp_options: dict[str, Any]) -> DistributedDataParallel:
+    if sync_bn:
+        # Convert after the device move and before DDP, so DDP registers the synchronised layers.
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if compile_model:
+        # Compiled after the SyncBatchNorm swap, which a compiled graph would not see, and before DDP,
+        # whose gradient hooks then fire on the compiled model's parameters as on the plain one's.
+        model = torch.compile(model)
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buffers, so memory holds one copy
+    # of them instead of two.
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **{"gradient_as_bucket_view": True, **ddp_options})
+    if comm_hook != "none":
+        # Halves the bytes each all-reduce sends; the averaged gradient is rounded to 16 bits once.
+        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[comm_hook]
+        ddp.register_comm_hook(dist.group.WORLD, hook)
+    return ddp
+
+
+def sync_bn_applies(ctx: DistContext) -> bool:
+    """Whether --syncBN turns BatchNorm into SyncBatchNorm here: in a process group on CUDA GPUs only
+    (PyTorch's SyncBatchNorm refuses CPU modules, and one process has nothing to synchronise)."""
+    return ctx.distributed and ctx.device.type == "cuda"
+
+
+def normalised_batch(batch_size: int, ctx: DistContext, sync_bn: bool = False) -> int:
+    """The images each BatchNorm layer normalises over in a training step: this process's batch, or under
+    SyncBatchNorm the batches of every process."""
+    return batch_size * ctx.world_size if sync_bn and sync_bn_applies(ctx) else batch_size
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP and torch.compile: what gets saved (no `module.` or `_orig_mod.`
+    prefix) and evaluated."""
+    model = model.module if isinstance(model, DistributedDataParallel) else model
+    return uncompiled(model)
+
+
+@torch.no_grad()
+def broadcast_buffers_from_main(model: nn.Module) -> None:
+    """Give every rank rank 0's buffers (BatchNorm's running statistics), the ones rank 0 saves.
+
+    DDP sends rank 0's buffers to the others at the start of each training forward, but then every
+    rank updates its copy with its own batch. Evaluated as they are, the ranks would each use slightly
+    different statistics, and the accuracy would be that of no saved model.
+    """
+    if not is_dist_avail_and_initialized():
+        return
+    for buffer in unwrap_model(model).buffers():
+        dist.broadcast(buffer, src=0)

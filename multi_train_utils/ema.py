@@ -1,9 +1,11 @@
 """--model-ema: an exponential moving average of the weights, which often validates better than the weights
 themselves at the end of a noisy schedule (torchvision's references and timm offer it). Updated after every
-optimizer step, validated every epoch (ema_val_acc), saved as weights/best_ema.pth and in the checkpoint."""
+optimizer step, validated every epoch (ema_val_acc, ema_val_loss), saved as weights/best_ema.pth (best by the
+same --best-metric as best.pth) and in the checkpoint."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -11,13 +13,10 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 
-from .checkpoint import Checkpointer, SavedRun
-from .ddp import unwrap_model
-from .distributed_utils import get_world_size
-from .hooks import Hook, StepEnd
+from .checkpoint import Best, Checkpointer, saved_best
+from .distributed_utils import get_world_size, unwrap_model
 from .recorder import RunRecorder
-from .step_options import StepOptions
-from .train_eval_utils import evaluate
+from .train_eval_utils import Criterion, Hook, StepEnd, StepOptions, evaluate
 
 
 def ema_decay_per_step(decay: float, batches_per_step: int) -> float:
@@ -41,27 +40,27 @@ class ModelEma(Hook):
 
     name = "ema"
 
-    def __init__(self, model: nn.Module, decay: float, batches_per_step: int, val_loader: DataLoader | None = None,
-                 recorder: RunRecorder | None = None, options: StepOptions | None = None) -> None:
+    def __init__(self, model: nn.Module, decay: float, batches_per_step: int, criterion: Criterion | None = None,
+                 val_loader: DataLoader | None = None, recorder: RunRecorder | None = None,
+                 options: StepOptions | None = None, best_metric: str = "val_acc") -> None:
         plain = unwrap_model(model)
         self.device = next(plain.parameters()).device
         self.decay = ema_decay_per_step(decay, batches_per_step)
         self.averaged = AveragedModel(plain, device=self.device, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                                       use_buffers=True)
-        self.best_acc = 0.0
-        self.val_loader, self.recorder, self.options = val_loader, recorder, options
+        self.best = Best(best_metric)
+        self.criterion, self.val_loader, self.recorder, self.options = criterion, val_loader, recorder, options
 
     @classmethod
-    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, saved: SavedRun,
-                  val_loader: DataLoader) -> ModelEma | None:
+    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, criterion: Criterion,
+                  val_loader: DataLoader) -> ModelEma:
         """--model-ema, its decay per step following the batches of one step (processes x --accum-steps),
-        restored from the saved run; None without the flag."""
-        if not args.get("model_ema"):
-            return None
-        ema = cls(checkpoints.model, args["model_ema_decay"], get_world_size() * args["accum_steps"], val_loader,
-                  checkpoints.recorder, checkpoints.options)
-        if saved.state and saved.state.get(cls.name):
-            ema.load_state_dict(saved.state[cls.name])
+        restored from the saved run."""
+        ema = cls(checkpoints.model, args["model_ema_decay"], get_world_size() * args["accum_steps"], criterion,
+                  val_loader, checkpoints.recorder, checkpoints.options, checkpoints.best.metric)
+        saved = checkpoints.recorder.saved.state
+        if saved and saved.get(cls.name):
+            ema.load_state_dict(saved[cls.name])
         return ema
 
     @property
@@ -80,18 +79,17 @@ class ModelEma(Hook):
     def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Validate the averaged weights, add their figures to the epoch's (ema_val_acc, ...), and save them as
         weights/best_ema.pth when they are the best the average has reached."""
-        result = evaluate(self.model, self.val_loader, self.device, self.options, len(self.recorder.class_names))
+        result = evaluate(self.model, self.criterion, self.val_loader, self.device, self.options)
         metrics.update({"ema_val_acc": result.accuracy, "ema_val_loss": result.loss,
                         "ema_val_correct": result.correct})
-        if result.accuracy >= self.best_acc:
+        if self.best.update(metrics, prefix="ema_"):
             self.recorder.save_weights(self.model, "best_ema.pth")
-        self.best_acc = max(self.best_acc, result.accuracy)
 
     def state_dict(self) -> dict[str, Any]:
         return {"averaged": {k: v.detach().cpu() for k, v in self.averaged.state_dict().items()},
-                "best_acc": self.best_acc}
+                "best": asdict(self.best)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.averaged.load_state_dict(state["averaged"])
-        self.best_acc = state["best_acc"]
+        self.best.load_state_dict(saved_best(state))
 

@@ -1,10 +1,35 @@
-"""The ways a run ends early, as exceptions, and the one line that says why."""
+"""The ways a run ends early, as exceptions; the one line that says why; how stop signals and Ctrl-C are caught
+from the first moment; and the refusal of a PyTorch older than supported. Standard library only: the scripts
+import this before anything slow (torch)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import re
 import signal
 import sys
+import threading
+import time
+from typing import TextIO
+
+from .versions import OLDEST_TORCH, OLDEST_TORCHVISION, dotted
+
+# SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
+# scheduler sends last.
+STOP_SIGNALS = (signal.SIGTERM,) if sys.platform == "win32" else (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# 128 + the signal: what a process ended by it reports. Kubernetes' ExitCode restart policy retries 128-255, and
+# the sbatch script of docs/clusters.md requeues the job on 143.
+REQUEUE_EXIT_CODE = 128 + signal.SIGTERM
+CTRL_C_EXIT_CODE = 128 + signal.SIGINT
+
+
+def report(line: str, stream: TextIO | None = None) -> None:
+    """Write one line to stderr (or `stream`) in a single write, so lines of several ranks sharing a terminal
+    or a log never run into each other (print writes the text and the newline separately)."""
+    stream = stream or sys.stderr
+    stream.write(line + "\n")
+    stream.flush()
 
 
 class UserInputError(ValueError):
@@ -14,19 +39,10 @@ class UserInputError(ValueError):
     """
 
 
-# SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
-# scheduler sends last.
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-
-# 128 + SIGTERM, what a process ended by SIGTERM reports: Kubernetes' ExitCode restart policy retries it
-# (128-255 are retryable), and the sbatch script of docs/clusters.md requeues the job on it.
-REQUEUE_EXIT_CODE = 128 + signal.SIGTERM
-
-
 class Terminated(SystemExit):
     """SIGTERM (or another stop signal) where no training step is coming to stop at, turned into an
-    exception so that `finally` blocks still run: the process group is left, data-loader workers and
-    TensorBoard stopped. Exits with 143, as a SIGTERM itself would."""
+    exception so that `finally` blocks still run: the process group is left, data-loader workers stopped.
+    Exits with 143, as a SIGTERM itself would."""
 
     def __init__(self, signal_name: str = "SIGTERM") -> None:
         super().__init__(REQUEUE_EXIT_CODE)
@@ -43,7 +59,7 @@ class Preempted(SystemExit):
 
 
 class QuietExit(SystemExit):
-    """The exit of a process whose job another process explains: when one rank stops, the others fail
+    """The exit of a process whose end another process explains: when one rank stops, the others fail
     too ("connection closed by peer"), and the user needs the first reason once, not N times."""
 
 
@@ -53,11 +69,12 @@ def exit_code(err: BaseException) -> int:
     if isinstance(err, SystemExit):
         return err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
     if isinstance(err, KeyboardInterrupt):
-        return 128 + signal.SIGINT
+        return CTRL_C_EXIT_CODE
     return 2 if isinstance(err, UserInputError) else 1
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+MAX_LINE = 300  # characters: what a terminal shows in two or three rows
 
 
 def one_line(err: BaseException) -> str:
@@ -71,9 +88,105 @@ def one_line(err: BaseException) -> str:
     return last.split(prefix, 1)[-1] if prefix in last else last
 
 
-def report(line: str) -> None:
-    """Write one line to stderr in a single write, so lines of several ranks sharing a terminal or a
-    log never interleave mid-line (print writes the text and the newline separately). It starts on a line
-    of its own: a progress bar may have left the cursor at the end of its line."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+def shortened(line: str, limit: int = MAX_LINE) -> str:
+    """`line` cut to `limit` characters, its end marked, so that no message fills the screen."""
+    return line if len(line) <= limit else line[:limit - 6] + " [...]"
+
+
+class _Ending:
+    under_way = False  # a stop or a failure is being handled: later stop signals change nothing
+    store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
+    launcher: int | None = None  # the process that started this one, where shutdown watches it
+    python_unraisablehook = sys.unraisablehook
+
+
+def quiet_ctrl_c_while_starting() -> None:
+    """Ctrl-C before the run has set itself up (importing torch alone takes seconds) ends the process with
+    one line and 130, instead of a page of traceback from inside the imports. run_cli replaces this."""
+
+    def stop(signum: int, frame: object) -> None:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # a launcher's rank 0 says it
+            report("Stopped by Ctrl-C while starting; nothing was trained")
+        os._exit(CTRL_C_EXIT_CODE)
+
+    signal.signal(signal.SIGINT, stop)
+
+
+def hold_back_ctrl_c(held: bool) -> None:
+    """Block Ctrl-C in this thread (it waits, and arrives once unblocked), or unblock it. Where there are no
+    signal masks (Windows), nothing."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK if held else signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a release number: {version!r}")
+    return int(found[1]), int(found[2])
+
+
+def unsupported_pytorch(torch_version: str, torchvision_version: str) -> str | None:
+    """The one-line error for a torch/torchvision pair older than the oldest supported one (versions.py says
+    which, and why), or None."""
+    if release(torch_version) >= OLDEST_TORCH and release(torchvision_version) >= OLDEST_TORCHVISION:
+        return None
+    return (f"error: installed are torch {torch_version} and torchvision {torchvision_version}; this needs torch >= "
+            f"{dotted(OLDEST_TORCH)} and torchvision >= {dotted(OLDEST_TORCHVISION)} "
+            "(pip install -U -r requirements.txt)")
+
+
+def require_supported_pytorch() -> None:
+    """Exit with code 2 and one line, before any work, where the installed PyTorch is older than supported. The
+    releases are read as pip installed them, without importing torch, which takes seconds."""
+    try:
+        problem = unsupported_pytorch(importlib.metadata.version("torch"), importlib.metadata.version("torchvision"))
+    except importlib.metadata.PackageNotFoundError:
+        return  # a build that pip did not install: its own import tells
+    if problem is not None:
+        report(problem)
+        sys.exit(2)
+
+
+def stop_now(signum: int, frame: object = None) -> None:
+    """What a stop signal does outside the training steps: end the process through an exception, once."""
+    if _Ending.under_way:
+        return  # schedulers and impatient users signal twice: the stop is already under way
+    _Ending.under_way = True
+    raise Terminated(signal.Signals(signum).name)
+
+
+def listen_for_stop_signals() -> None:
+    """A stop signal ends the process through an exception, so that every `finally` runs (the process group
+    is left, the port freed, the loader workers stopped), and so does Ctrl-C (KeyboardInterrupt); while
+    training runs, preemption.py makes the stop signals wait for the next step instead."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop_now)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if sys.unraisablehook is not raise_a_dropped_stop_again:
+        _Ending.python_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = raise_a_dropped_stop_again
+
+
+def raise_a_dropped_stop_again(unraisable: sys.UnraisableHookArgs) -> None:
+    """A stop raised while Python was running a finalizer (a generator closed by the garbage collector, a
+    `__del__`) is dropped there with an "Exception ignored" page, and the run would go on. Its signal comes
+    again instead, a moment later, when the main thread has left the finalizer."""
+    stop = unraisable.exc_value
+    if isinstance(stop, Terminated):
+        _Ending.under_way = False  # this stop never reached end_run
+        signum = signal.Signals[stop.signal_name]
+    elif isinstance(stop, KeyboardInterrupt):
+        signum = signal.SIGINT
+    else:
+        _Ending.python_unraisablehook(unraisable)
+        return
+    threading.Thread(target=signal_the_main_thread, args=(signum,), daemon=True, name="stop-again").start()
+
+
+def signal_the_main_thread(signum: int, after_s: float = 0.05) -> None:
+    # Not from inside the hook itself, which runs within the finalizer: the stop would be dropped again.
+    time.sleep(after_s)
+    if not _Ending.under_way:
+        signal.pthread_kill(threading.main_thread().ident, signum)

@@ -1,5 +1,5 @@
-"""Writing and reading the .pth files a run keeps: never half a file, and one line naming the file when it
-cannot be written or read."""
+"""Writing and reading the .pth files a run keeps: never half a file, tensors always on the CPU, and one line
+naming the file when it cannot be written or read."""
 
 from __future__ import annotations
 
@@ -9,25 +9,30 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
+from typing import Any
 
 import torch
 
 from .errors import STOP_SIGNALS, UserInputError
 
 PARTIAL_SUFFIX = ".partial"
-LOCK_NAME = ".lock"
 LOW_DISK_BYTES = 64 * 2**20
+
+
+def to_cpu(tree: Any) -> Any:
+    """`tree` (a state dict, nested dicts and lists) with every tensor copied to the CPU, so that a file
+    saved on a GPU loads with a plain torch.load on a machine without one."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {key: to_cpu(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_cpu(value) for value in tree)
+    return tree
 
 
 def save_atomic(obj: object, path: Path) -> None:
@@ -67,14 +72,6 @@ def stops_held() -> Iterator[None]:
             signal.signal(signum, handler)
         for signum in dict.fromkeys(held):
             signal.raise_signal(signum)
-
-
-def remove_partial_files(folder: Path) -> None:
-    """Delete the temporary files of writes that a killed run (SIGKILL, a power cut) left unfinished: each
-    may be as large as a checkpoint. Called by the run that holds the folder's lock, so none is in use."""
-    for partial in [*folder.glob(f".*{PARTIAL_SUFFIX}"), *folder.glob(f"*/.*{PARTIAL_SUFFIX}")]:
-        with contextlib.suppress(OSError):
-            partial.unlink()
 
 
 def current_umask() -> int:
@@ -121,41 +118,3 @@ def load_file(path: Path, flag: str) -> Any:
     except Exception:
         raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
                              ) from None
-
-
-def lock_holder(lock: TextIO) -> str | None:
-    """Who holds the lock on `lock` (process and host, as it wrote them), or None if nobody does."""
-    if fcntl is None:
-        return None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        return lock.read().strip() or "unknown"
-    return None
-
-
-def refuse_a_folder_in_use(folder: Path) -> None:
-    """Stop at once if another run is writing to `folder` (it holds the folder's lock)."""
-    with contextlib.suppress(OSError), open(folder / LOCK_NAME) as lock:
-        holder = lock_holder(lock)
-        if holder:
-            raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let "
-                                 "it finish, or choose another --output-dir")
-
-
-def claim_folder(folder: Path) -> TextIO:
-    """Lock `folder` for this run's life: a second run into it stops at once, instead of both writing the
-    same files. The system releases the lock when the returned file is closed or the process ends,
-    however it ends. (No lock on Windows, which has no flock.)"""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = open(folder / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the run's life
-    holder = lock_holder(lock)
-    if holder:
-        lock.close()
-        raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let it "
-                             "finish, or choose another --output-dir")
-    lock.truncate(0)
-    lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    return lock

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -41,13 +42,14 @@ SCHEDULES: dict[str, Callable[[float, float], float]] = {"cosine": cosine, "step
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """The trainable parameters in two groups: weight decay for the weights of convolutions and linear layers,
-    none for biases and normalisation layers (1-D tensors), which it would only pull towards zero."""
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    decayed = [param for param in trainable if param.ndim > 1]
-    plain = [param for param in trainable if param.ndim <= 1]
+    """Every parameter, in two groups: weight decay for the weights of convolutions and linear layers, none for
+    biases and normalisation layers (1-D tensors), which it would only pull towards zero. Frozen ones too: a
+    parameter without a gradient is left alone by the optimizer, and trains once it is unfrozen."""
+    decayed, plain = [], []
+    for param in model.parameters():
+        (decayed if param.ndim > 1 else plain).append(param)
     groups = [{"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+    return list(filter(operator.itemgetter("params"), groups))  # a model may have either kind only
 
 
 def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.001,

@@ -6,11 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torch.utils.data import DataLoader
-
-from .checkpoint import Checkpointer, SavedRun
+from .checkpoint import Checkpointer
 from .distributed_utils import agree, cpu_side_group, is_main_process
-from .hooks import Hook, StepEnd
+from .train_eval_utils import Hook, StepEnd
 
 
 class PeriodicCheckpoints(Hook):
@@ -25,14 +23,12 @@ class PeriodicCheckpoints(Hook):
         self.group = cpu_side_group(timeout_s) if every_minutes else None
 
     @classmethod
-    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, saved: SavedRun,
-                  val_loader: DataLoader) -> PeriodicCheckpoints | None:
-        steps, minutes = args.get("checkpoint_every_steps"), args.get("checkpoint_every_minutes")
-        return cls(checkpoints, steps, minutes, args.get("dist_timeout", 900.0)) if steps or minutes else None
+    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer) -> PeriodicCheckpoints:
+        return cls(checkpoints, args.get("checkpoint_every_steps"), args.get("checkpoint_every_minutes"),
+                   args.get("dist_timeout", 900.0))
 
     def on_step_end(self, step: StepEnd) -> None:
-        run_step = step.epoch * self.checkpoints.steps_per_epoch + self.checkpoints.step_in_epoch(step)
-        by_steps = bool(self.every_steps) and run_step % self.every_steps == 0
+        by_steps = bool(self.every_steps) and step.run_step % self.every_steps == 0
         if by_steps or self.minutes_passed():
             self.checkpoints.save_at(step)
 

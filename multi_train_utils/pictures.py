@@ -7,7 +7,7 @@ import math
 import torch
 from PIL import Image, ImageDraw
 
-from .transforms import IMAGENET_MEAN, IMAGENET_STD
+from .train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
 
 
 def denormalize(images: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ SLURM, Kubernetes and torchrun end a job with SIGTERM and kill it a grace period
 SLURM can also warn ahead of time with another signal (`--signal=USR1@90`). While training runs, any of
 these signals only raises a flag here. After each optimizer step the ranks compare their flags (one
 all-reduce of one number on the CPU, so a GPU never waits for it), and all of them act on the same step,
-whichever rank the signal reached first. Without this module (and its line in features.py) a stop signal
+whichever rank the signal reached first. Without this module (and its lines in fit.py) a stop signal
 ends the run at once, keeping the last checkpoint written.
 """
 
@@ -17,39 +17,48 @@ import threading
 import time
 from typing import Any
 
-from torch.utils.data import DataLoader
-
-from .checkpoint import Checkpointer, SavedRun
+from .checkpoint import Checkpointer
 from .distributed_utils import agree, cpu_side_group, is_main_process
-from .errors import REQUEUE_EXIT_CODE, Preempted, report
-from .hooks import Hook, StepEnd
-from .shutdown import STOP_SIGNALS, another_process_failed, listen_for_stop_signals, stop_now
+from .errors import REQUEUE_EXIT_CODE, STOP_SIGNALS, Preempted, listen_for_stop_signals, report, stop_now
+from .shutdown import another_process_failed
+from .train_eval_utils import Hook, StepEnd
 
 # After the deadline, how long a rank that the signal cannot reach (one waiting inside a collective, which
 # does not return to Python) has before it ends without its clean-up.
 FORCED_EXIT_AFTER_S = 5.0
 
 
-class _StopRequest:
-    signal_name: str | None = None
-    at_steps = False  # whether the training loop is running and will act on the flag
-    lock = threading.Lock()  # orders the end of training and the deadline
-    sigterm = threading.Event()  # SIGTERM came: the scheduler's kill follows within its grace period
-    training_over = threading.Event()
-
-
-def _on_stop_signal(signum: int, frame: object) -> None:
-    # A handler only sets flags: it interrupts the main thread anywhere, even inside a lock it would need.
-    _StopRequest.signal_name = _StopRequest.signal_name or signal.Signals(signum).name
-    if signum == signal.SIGTERM:
-        _StopRequest.sigterm.set()
-    if not _StopRequest.at_steps:  # past the last step or past the deadline: no step will come to stop at
-        stop_now(signum)
-
-
 def stop_signal() -> str | None:
     """The name of the stop signal this process received during training, or None."""
-    return _StopRequest.signal_name
+    return StopRequest.current.signal_name if StopRequest.current else None
+
+
+class StopRequest:
+    """The stop signals of one training run: while it runs they only set a flag, which the ranks compare after
+    each optimizer step. SIGTERM also starts a deadline of `grace_s` (stop_at_the_deadline)."""
+
+    current: StopRequest | None = None  # the run's, while one trains in this process
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s, self.signal_name, self.at_steps = grace_s, None, True
+        self.lock = threading.Lock()  # orders the end of training and the deadline
+        self.sigterm = threading.Event()  # SIGTERM came: the scheduler's kill follows within its grace period
+        self.training_over = threading.Event()
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        # A handler only sets flags: it interrupts the main thread anywhere, even inside a lock it would need.
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+        if signum == signal.SIGTERM:
+            self.sigterm.set()
+        if not self.at_steps:  # past the last step or past the deadline: no step will come to stop at
+            stop_now(signum)
+
+    def watch_the_deadline(self) -> None:
+        """In a thread of its own: wait for a SIGTERM, then keep its deadline."""
+        while not self.sigterm.wait(0.5):
+            if self.training_over.is_set():
+                return
+        stop_at_the_deadline(self)
 
 
 class StopAtStep(Hook):
@@ -64,21 +73,17 @@ class StopAtStep(Hook):
         self.group = cpu_side_group(timeout_s)
 
     @classmethod
-    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, saved: SavedRun,
-                  val_loader: DataLoader) -> StopAtStep:
-        return cls(checkpoints, args.get("stop_grace", 20.0), args.get("dist_timeout", 900.0), args["epochs"])
+    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, epochs: int) -> StopAtStep:
+        return cls(checkpoints, args.get("stop_grace", 20.0), args.get("dist_timeout", 900.0), epochs)
 
     def on_fit_start(self) -> None:
-        # A signal before now has ended the process; one after it is this run's.
-        _StopRequest.signal_name = None
-        _StopRequest.sigterm, _StopRequest.training_over = threading.Event(), threading.Event()
-        _StopRequest.at_steps = True
-        # Installed here, after set-up: NCCL may install a SIGUSR1 handler of its own while it starts.
+        # A signal before now has ended the process; one after it is this run's. Installed here, after set-up:
+        # NCCL may install a SIGUSR1 handler of its own while it starts.
+        request = StopRequest.current = StopRequest(self.grace_s)
         for signum in STOP_SIGNALS:
-            signal.signal(signum, _on_stop_signal)
+            signal.signal(signum, request.on_signal)
         if hasattr(signal, "pthread_kill"):
-            threading.Thread(target=stop_at_the_deadline, daemon=True, name="stop-deadline",
-                             args=(self.grace_s, _StopRequest.sigterm, _StopRequest.training_over)).start()
+            threading.Thread(target=request.watch_the_deadline, daemon=True, name="stop-deadline").start()
 
     def on_step_end(self, step: StepEnd) -> None:
         if self.any_rank_signalled():
@@ -93,10 +98,11 @@ class StopAtStep(Hook):
             self.stop(f"after epoch {epoch}")
 
     def on_fit_end(self) -> None:
-        with _StopRequest.lock:
-            _StopRequest.at_steps = False
-            _StopRequest.training_over.set()
-        if _StopRequest.signal_name is None:
+        request = StopRequest.current
+        with request.lock:
+            request.at_steps = False
+            request.training_over.set()
+        if request.signal_name is None:
             listen_for_stop_signals()  # from now on a stop signal ends the process at once
 
     def any_rank_signalled(self) -> bool:
@@ -109,28 +115,24 @@ class StopAtStep(Hook):
                         f"{self.checkpoints.recorder.checkpoint_path}; go on with --resume auto")
 
 
-def stop_at_the_deadline(grace_s: float, sigterm: threading.Event, training_over: threading.Event) -> None:
-    """The deadline of a SIGTERM: a rank that has not reached its next step `grace_s` later (a long
+def stop_at_the_deadline(request: StopRequest) -> None:
+    """The deadline of a SIGTERM: a rank that has not reached its next step --stop-grace later (a long
     validation, a slow write, a hung data loader or collective) stops at once, keeping the last checkpoint,
     before the scheduler kills it. After another process failed, or once the launcher is gone, the job is
     ending and the ranks could not vote on a step anyway: no waiting then."""
-    while not sigterm.wait(0.5):
-        if training_over.is_set():
-            return
-    deadline = time.monotonic() + grace_s
+    deadline = time.monotonic() + request.grace_s
     while time.monotonic() < deadline and not another_process_failed():
-        if training_over.wait(0.5):
+        if request.training_over.wait(0.5):
             return
-    with _StopRequest.lock:
-        if training_over.is_set():
+    with request.lock:
+        if request.training_over.is_set():
             return
-        _StopRequest.at_steps = False
+        request.at_steps = False
     # The signal again, to the main thread: it interrupts a wait that returns to Python, and the handler
     # now raises. A wait inside a collective does not return: end the process, without its clean-up.
     signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
-    if not training_over.wait(FORCED_EXIT_AFTER_S):
+    if not request.training_over.wait(FORCED_EXIT_AFTER_S):
         if is_main_process():
-            report(f"Stopped by {_StopRequest.signal_name}: no step came within --stop-grace {grace_s:g} s; the "
-                   "last checkpoint written is kept")
+            report(f"Stopped by {request.signal_name}: no step came within --stop-grace {request.grace_s:g} s; "
+                   "the last checkpoint written is kept")
         os._exit(REQUEUE_EXIT_CODE)
-

@@ -1,26 +1,42 @@
 """Ending every process of a job together: one line that says why, from one process; the same exit code from
 all of them; no process left waiting for a partner or training on alone.
 
-`end_run` is the one place where a run that did not finish ends, in every process of every launcher.
+`end_run` is the one place where a run that did not finish ends, in every process of every launcher, through
+`ends_in_one_line`, which run_cli and the spawn script's worker run inside.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import signal
-import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 import torch.distributed as dist
 
 from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
-from .errors import STOP_SIGNALS, Preempted, QuietExit, Terminated, UserInputError, exit_code, one_line, report
+from .errors import (
+    STOP_SIGNALS,
+    Preempted,
+    QuietExit,
+    Terminated,
+    UserInputError,
+    _Ending,
+    exit_code,
+    hold_back_ctrl_c,
+    listen_for_stop_signals,
+    one_line,
+    report,
+)
+from .recorder import CHECKPOINT_NAME
 from .versions import default_store, has_default_store
 
 # How long a failing process asks the process group's key-value store before it gives up on it (not the
@@ -31,53 +47,31 @@ LAUNCHER_POLL_S = 1.0
 KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
 
 
-class _Ending:
-    under_way = False  # a stop or a failure is being handled: later stop signals change nothing
-    store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
-    launcher: int | None = None  # the process that started this one, where stop_when_launcher_dies watches it
-    python_unraisablehook = sys.unraisablehook
+@dataclass
+class Ending:
+    output_dir: str | os.PathLike | None = None  # where the run's last checkpoint is, once known
 
 
-def stop_now(signum: int, frame: object = None) -> None:
-    """What a stop signal does outside the training steps: end the process through an exception, once."""
-    if _Ending.under_way:
-        return  # schedulers and impatient users signal twice: the stop is already under way
-    _Ending.under_way = True
-    raise Terminated(signal.Signals(signum).name)
-
-
-def listen_for_stop_signals() -> None:
-    """A stop signal ends the process through an exception, so that every `finally` runs (the process group
-    is left, the port freed, the loader workers stopped); with preemption.py attached, training waits for
-    its next step instead."""
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, stop_now)
-    if sys.unraisablehook is not raise_a_dropped_stop_again:
-        _Ending.python_unraisablehook = sys.unraisablehook
-        sys.unraisablehook = raise_a_dropped_stop_again
-
-
-def raise_a_dropped_stop_again(unraisable: sys.UnraisableHookArgs) -> None:
-    """A stop raised while Python was running a finalizer (a generator closed by the garbage collector, a
-    `__del__`) is dropped there with an "Exception ignored" page, and the run would go on. Its signal comes
-    again instead, a moment later, when the main thread has left the finalizer."""
-    stop = unraisable.exc_value
-    if isinstance(stop, Terminated):
-        _Ending.under_way = False  # this stop never reached end_run
-        signum = signal.Signals[stop.signal_name]
-    elif isinstance(stop, KeyboardInterrupt):
-        signum = signal.SIGINT
-    else:
-        _Ending.python_unraisablehook(unraisable)
-        return
-    threading.Thread(target=signal_the_main_thread, args=(signum,), daemon=True, name="stop-again").start()
-
-
-def signal_the_main_thread(signum: int, after_s: float = 0.05) -> None:
-    # Not from inside the hook itself, which runs within the finalizer: the stop would be dropped again.
-    time.sleep(after_s)
-    if not _Ending.under_way:
-        signal.pthread_kill(threading.main_thread().ident, signum)
+@contextlib.contextmanager
+def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
+                     watch_launcher: bool = False) -> Iterator[Ending]:
+    """Run the block as one process of a job, ended by shutdown.end_run however it ends early: a stop signal
+    or Ctrl-C through an exception (every `finally` runs), a mistake the user can fix in one line (exit 2), our
+    own bug with its traceback. With `watch_launcher`, the process also stops if the launcher that started it
+    dies."""
+    listen_for_stop_signals()
+    if watch_launcher:
+        stop_when_launcher_dies()
+    ending = Ending(output_dir)
+    try:
+        # A process started by the spawn script holds Ctrl-C back until here (spawn_utils): one that came
+        # while it imported arrives now, and ends it in one line.
+        hold_back_ctrl_c(False)
+        yield ending
+    except BaseException as err:
+        if isinstance(err, SystemExit) and err.code in (None, 0):  # --help, or a run that finished
+            raise
+        end_run(err, rank, ending.output_dir)
 
 
 def absorb_later_signals() -> None:
@@ -89,7 +83,7 @@ def absorb_later_signals() -> None:
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signal.SIGINT))
 
 
-def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> NoReturn:
+def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None = None) -> NoReturn:
     """End this process after `err`: rank 0 explains, the others end quietly.
 
     Once the processes are connected, the one that explains is the first to stop (a mistake found by rank 1
@@ -99,6 +93,7 @@ def end_run(err: BaseException, rank: int, checkpoint: Path | None = None) -> No
     Our own bugs keep their traceback.
     """
     absorb_later_signals()
+    checkpoint = Path(output_dir) / CHECKPOINT_NAME if output_dir else None
     if isinstance(err, QuietExit):  # already said, by another process or by this one
         cleanup(failed=True)
         raise err

@@ -1,27 +1,30 @@
-"""What the spawn script needs to start its own processes: how many, on which port, and how they end."""
+"""What the spawn script adds around its own `torch.multiprocessing.spawn` call: how many processes, where they
+meet (a free port), the signals passed on to them, and the exit code that says how they ended."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 import torch.multiprocessing as mp
 
-from .checkpoint import CHECKPOINT_NAME
-from .distributed_utils import find_free_port, port_was_taken, resolve_device
-from .errors import REQUEUE_EXIT_CODE, QuietExit, UserInputError, report
-from .launch import cpu_threads_per_process
-from .shutdown import STOP_SIGNALS, end_run, listen_for_stop_signals
+from .distributed_utils import cpu_threads_per_process, find_free_port, resolve_device
+from .errors import (
+    CTRL_C_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    STOP_SIGNALS,
+    QuietExit,
+    UserInputError,
+    hold_back_ctrl_c,
+    report,
+)
 
-PORT_ATTEMPTS = 3
 CPU_PROCESSES_PER_CORE = 4
 STOP_GRACE_S = 3.0
 # After a stop signal, how long the processes have beyond their own --stop-grace: they end by then
@@ -30,8 +33,10 @@ STOP_MARGIN_S = 10.0
 # After Ctrl-C, how long the processes have to end by themselves; Ctrl-C reaches them from the terminal
 # as it reaches this launcher. One that has not ended by then (a SIGINT sent to the launcher alone) gets it.
 CTRL_C_GRACE_S = 5.0
-SIGINT_EXIT_CODE = 128 + signal.SIGINT
-Worker = Callable[[int, int, argparse.Namespace], None]
+
+# mp.spawn's join logs each process it stops ("Terminating process ... via signal SIGTERM"); the processes
+# say themselves why they stopped.
+logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
 def processes_to_start(world_size: int | None, device: str | None) -> int:
@@ -51,72 +56,21 @@ def processes_to_start(world_size: int | None, device: str | None) -> int:
     return world_size
 
 
-def run_worker(rank: int, worker: Worker, world_size: int, args: argparse.Namespace) -> None:
-    """The entry point of every spawned process. However it ends early, it ends as under a launcher
-    (shutdown.end_run), with an exit code the spawn script reads; only a port that another program took
-    meanwhile goes back to the spawn script as the error itself, to try another."""
-    listen_for_stop_signals()
+@contextlib.contextmanager
+def meeting_on_a_free_port() -> Iterator[None]:
+    """Where the processes meet (init_distributed_mode's env://), for the length of the block: a free port of
+    127.0.0.1, so that two jobs on one machine do not collide, unless MASTER_ADDR and MASTER_PORT are set (yours
+    win). The next job this process starts picks a port of its own."""
+    chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": "127.0.0.1"}
+    if "MASTER_PORT" not in os.environ:  # (MASTER_PORT_CHOSEN_BY: for the message if it is taken meanwhile)
+        port = find_free_port(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        chosen.update(MASTER_PORT=str(port), MASTER_PORT_CHOSEN_BY="spawn")
+    os.environ.update(chosen)
     try:
-        worker(rank, world_size, args)
-    except BaseException as err:
-        if port_was_taken(err) and os.environ.get("MASTER_PORT_CHOSEN_BY") == "spawn":
-            raise
-        output_dir = getattr(args, "output_dir", None)
-        end_run(err, rank, Path(output_dir) / CHECKPOINT_NAME if output_dir else None)
-
-
-def spawn_workers(worker: Worker, world_size: int, args: argparse.Namespace, start_method: str = "spawn") -> None:
-    """Start `world_size` processes running worker(rank, world_size, args) and wait for all of them.
-
-    The processes meet on MASTER_ADDR:MASTER_PORT. Unless those are set, that is a free port on
-    127.0.0.1, so two jobs on one machine do not collide; if another program takes the port between
-    our choosing and our using it, we try again with another. When one process fails, the others are
-    stopped, and the job exits with the code that says why.
-    """
-    port_is_ours = "MASTER_PORT" not in os.environ
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    # mp's join logs each process it stops ("Terminating process ... via signal SIGTERM"); the processes
-    # say themselves why they stopped.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    try:
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            if port_is_ours:
-                os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
-                os.environ["MASTER_PORT_CHOSEN_BY"] = "spawn"  # taken meanwhile: try another, not a user error
-            retry_port = port_is_ours and attempt < PORT_ATTEMPTS
-            if start_and_wait(worker, world_size, args, start_method, retry_port):
-                return
-            print(f"Port {os.environ['MASTER_PORT']} was taken meanwhile; trying another.", flush=True)
+        yield
     finally:
-        if port_is_ours:
-            # The next job this process starts (the benchmark starts many) picks a free port of its own.
-            os.environ.pop("MASTER_PORT", None)
-            os.environ.pop("MASTER_PORT_CHOSEN_BY", None)
-
-
-def start_and_wait(worker: Worker, world_size: int, args: argparse.Namespace, start_method: str,
-                   retry_port: bool) -> bool:
-    """One attempt: start the processes and wait for them; True once they have all finished, False if the port
-    was taken meanwhile and `retry_port`. Signals reaching this launcher are passed on from before the first
-    process starts: a signal meanwhile must not end it in the middle of starting them, which would leave those
-    started so far waiting for the rest of their group."""
-    with stop_signals_passed_on() as passer:
-        context = mp.start_processes(run_worker, args=(worker, world_size, args), nprocs=world_size,
-                                     join=False, start_method=start_method)
-        passer.adopt(context.processes)
-        try:
-            join_all(context, getattr(args, "stop_grace", 20.0) + STOP_MARGIN_S, passer)
-            return True
-        except mp.ProcessRaisedException as err:  # what run_worker sends back: only a port that was taken
-            if retry_port and port_was_taken(err):
-                return False
-            report(f"error: process {err.error_index} failed:\n{err}")
-            sys.exit(1)
-        except mp.ProcessExitedException as err:
-            exit_on_lost_process(err, context.processes)
-        finally:
-            stop_processes(context.processes)  # no process outlives the launcher
-    return True
+        for name in chosen:
+            os.environ.pop(name, None)
 
 
 class StopSignalPasser:
@@ -139,7 +93,9 @@ class StopSignalPasser:
                 os.kill(process.pid, signum)
 
     def adopt(self, processes: list[mp.Process]) -> None:
+        """Pass signals on to `processes` from now on, and the stop signal that came while they started."""
         self.processes = processes
+        hold_back_ctrl_c(False)
         stops = [signum for _, signum in self.received if signum != signal.SIGINT]
         if stops:
             self.pass_on(stops[0])
@@ -150,31 +106,42 @@ class StopSignalPasser:
 
 @contextlib.contextmanager
 def stop_signals_passed_on() -> Iterator[StopSignalPasser]:
+    """Signals that reach this launcher are passed on (StopSignalPasser), from before the first process
+    starts: a signal meanwhile must not end the launcher in the middle of starting them, which would leave
+    those started so far waiting for the rest of their group. Ctrl-C is held back meanwhile, and the new
+    processes start with it held back (a signal mask survives fork and exec): each gets it once it has set up
+    its own handling (errors.ends_in_one_line), instead of a traceback from the middle of `import torch`."""
     passer = StopSignalPasser()
     previous = {signum: signal.signal(signum, passer) for signum in (*STOP_SIGNALS, signal.SIGINT)}
+    hold_back_ctrl_c(True)
     try:
         yield passer
     finally:
+        hold_back_ctrl_c(False)
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def join_all(context: mp.ProcessContext, stop_deadline_s: float, passer: StopSignalPasser) -> None:
-    """Wait until every process has ended; raise as join() does when one fails.
-
-    After a stop signal, which `passer` has passed on (the processes then stop after the same step and write a
-    checkpoint), or Ctrl-C (they stop at once), those that have not ended `stop_deadline_s` later are killed,
-    and the job exits 143 or 130 however its processes ended.
-    """
+def wait_for_all(context: mp.ProcessContext, passer: StopSignalPasser, stop_grace_s: float = 20.0) -> None:
+    """Wait until every process has ended; no process outlives this launcher. When one fails, mp's join()
+    stops the others (SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later),
+    and the job exits with the code that says why. After a stop signal (passed on: the processes then stop
+    after the same step and write a checkpoint) or Ctrl-C (they stop at once), those that have not ended
+    --stop-grace + STOP_MARGIN_S later are killed, and the job exits 143 or 130 however its processes ended."""
+    passer.adopt(context.processes)
     try:
-        # join() raises when one process fails, after stopping the rest: SIGTERM once they had STOP_GRACE_S
-        # to notice on their own, SIGKILL STOP_GRACE_S later.
         while not context.join(timeout=1.0, grace_period=STOP_GRACE_S):
             if passer.first():
-                hurry(context.processes, passer, stop_deadline_s)
-    except (mp.ProcessExitedException, mp.ProcessRaisedException):
+                hurry(context.processes, passer, stop_grace_s + STOP_MARGIN_S)
+    except mp.ProcessRaisedException as err:  # an error before the process could say it itself
         if not passer.first():
-            raise
+            report(f"error: process {err.error_index} failed:\n{err}")
+            sys.exit(1)
+    except mp.ProcessExitedException as err:
+        if not passer.first():
+            exit_on_lost_process(err, context.processes)
+    finally:
+        stop_processes(context.processes)
     if passer.first():
         end_after_signal(context.processes, passer.first()[1])
 
@@ -190,15 +157,14 @@ def hurry(processes: list[mp.Process], passer: StopSignalPasser, stop_deadline_s
         report(f"error: the processes did not stop within {waited:.0f} s of the signal; killed them (the last "
                "checkpoint written is kept)")
         stop_processes(processes, grace_s=0.0)
-        raise QuietExit(SIGINT_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
+        raise QuietExit(CTRL_C_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
 
 
 def end_after_signal(processes: list[mp.Process], signum: int) -> None:
     """The job's end after a signal: the code a requeue expects (143), or Ctrl-C's (130). The processes have
     said where they stopped; one still starting died of the signal's own action, before it could: then this
     launcher says it."""
-    stop_processes(processes)
-    code = SIGINT_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE
+    code = CTRL_C_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE
     if code not in (process.exitcode for process in processes):
         cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         report(f"Stopped by {cause} while the processes were starting; nothing was trained")

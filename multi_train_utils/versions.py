@@ -13,56 +13,32 @@ run when the package is first imported). Why the oldest pair is torch 2.6 with t
 
 The private PyTorch functions the engine uses are reached only from here, each behind a check that it exists
 and a fallback for a release without it.
+
+errors.require_supported_pytorch refuses an older pair. The scripts import errors (and so this) before anything
+slow, to catch Ctrl-C from the first moment: the functions here that call torch import it themselves.
 """
 
 from __future__ import annotations
 
-import re
-import sys
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-import torchvision
-from torch import nn
-
-from .errors import report
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
 
 OLDEST_TORCH = (2, 6)
 OLDEST_TORCHVISION = (0, 21)
-
-
-def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None:
-        raise ValueError(f"not a release number: {version!r}")
-    return int(found[1]), int(found[2])
-
-
-def unsupported_pytorch(torch_version: str, torchvision_version: str) -> str | None:
-    """The one-line error for a torch/torchvision pair older than the oldest supported one, or None."""
-    if release(torch_version) >= OLDEST_TORCH and release(torchvision_version) >= OLDEST_TORCHVISION:
-        return None
-    return (f"error: installed are torch {torch_version} and torchvision {torchvision_version}; this needs torch >= "
-            f"{dotted(OLDEST_TORCH)} and torchvision >= {dotted(OLDEST_TORCHVISION)} "
-            "(pip install -U -r requirements.txt)")
 
 
 def dotted(release_number: tuple[int, int]) -> str:
     return ".".join(map(str, release_number))
 
 
-def require_supported_pytorch() -> None:
-    """Exit with code 2 and one line, before any work, where the installed PyTorch is older than supported."""
-    problem = unsupported_pytorch(torch.__version__, torchvision.__version__)
-    if problem is not None:
-        report(problem)
-        sys.exit(2)
-
-
 def abort_process_group() -> None:
     """End the default process group's NCCL communicators at once, without waiting for the collectives in
     flight, which ranks that have failed will never finish."""
+    import torch.distributed as dist
+
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # private; torch 2.6 to 2.14 have it
     if abort is not None:
         abort()
@@ -74,6 +50,8 @@ def abort_process_group() -> None:
 
 def has_default_store() -> bool:
     """Whether the key-value store the processes met in can be reached (see default_store)."""
+    import torch.distributed as dist
+
     return hasattr(dist.distributed_c10d, "_get_default_store")
 
 
@@ -84,12 +62,16 @@ def default_store() -> dist.Store:
     store behave as a job without a process group would: each failing process explains itself, and a time-out
     is reported as it came, without naming the ranks that stopped answering.
     """
+    import torch.distributed as dist
+
     return dist.distributed_c10d._get_default_store()
 
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX). Without them, bf16 autocast is
     emulated, and was 25 times slower than float32 for ResNet-34 on an AVX2-only CPU."""
+    import torch
+
     capabilities = getattr(torch.cpu, "get_capabilities", None)  # public since torch 2.11
     if capabilities is not None:
         found = capabilities()

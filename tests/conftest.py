@@ -18,12 +18,12 @@ import pytest
 import torch
 from PIL import Image
 
-from multi_train_utils import shutdown
+from multi_train_utils import errors
 from multi_train_utils.checkpoint import Checkpointer
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.optim import build_scheduler
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.step_options import StepOptions
+from multi_train_utils.train_eval_utils import StepOptions
 
 REPO = Path(__file__).resolve().parent.parent
 # Ctrl-C as at a terminal, in pytest and in every process it starts: a shell script that starts pytest in the
@@ -48,7 +48,8 @@ def make_image_folder(root: Path, per_class: dict[str, int], size: int = 24) -> 
     palette = [(220, 40, 40), (40, 200, 60), (50, 60, 220), (230, 230, 40), (200, 60, 200)]
     for index, (name, count) in enumerate(per_class.items()):
         for i in range(count):
-            write_image(root / name / f"{name}_{i:03d}.{'png' if i % 3 == 0 else 'jpg'}", palette[index], size)
+            colour = palette[index % len(palette)]
+            write_image(root / name / f"{name}_{i:03d}.{'png' if i % 3 == 0 else 'jpg'}", colour, size)
     return root
 
 
@@ -105,7 +106,7 @@ def run_single_in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
         except SystemExit as end:
             code = end.code if isinstance(end.code, int) else 1
         finally:
-            shutdown._Ending.under_way = False  # a process ends once; a test may end several runs here
+            errors._Ending.under_way = False  # a process ends once; a test may end several runs here
     return subprocess.CompletedProcess(["train_single_gpu.py", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
@@ -121,15 +122,16 @@ def torchrun() -> list[str]:
 def ends_of_runs_are_undone() -> Iterator[None]:
     """Tests that run the scripts in this process (run_cli, end_run) change what a process changes once, at its
     end: the signal handlers, and that its end is under way. Each test starts from pytest's own."""
-    handlers = {signum: signal.getsignal(signum) for signum in shutdown.STOP_SIGNALS}
+    handlers = {signum: signal.getsignal(signum) for signum in errors.STOP_SIGNALS}
     unraisablehook = sys.unraisablehook
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.unraisablehook = unraisablehook
-    shutdown._Ending.under_way = shutdown._Ending.store_gone = False
-    shutdown._Ending.launcher = None
+    errors._Ending.under_way = errors._Ending.store_gone = False
+    errors._Ending.launcher = None
+    errors.hold_back_ctrl_c(False)
 
 
 @contextlib.contextmanager

@@ -11,13 +11,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from multi_train_utils.data import UnpaddedDistributedSampler
-from multi_train_utils.ddp import unwrap_model, wrap_ddp
-from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode
+from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, unwrap_model, wrap_ddp
 from multi_train_utils.optim import build_optimizer, build_scheduler
-from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import StepOptions, evaluate, train_one_epoch
 
 EPOCHS = 3
+CROSS_ENTROPY = nn.CrossEntropyLoss()
 
 
 def small_net(batchnorm: bool = False) -> nn.Module:
@@ -72,7 +71,7 @@ def train_fixed_order(ctx: DistContext, batch_size: int, samples: int, sync_bn: 
     optimizer = build_optimizer(model, lr=0.05)
     scheduler = build_scheduler(optimizer, epochs=EPOCHS)  # stepped once an epoch here
     for epoch in range(EPOCHS):
-        train_one_epoch(model, optimizer, loader, ctx.device, epoch, options=options)
+        train_one_epoch(model, CROSS_ENTROPY, optimizer, loader, ctx.device, epoch, options=options)
         scheduler.step()
     return unwrap_model(model), all_reduces[0]
 
@@ -124,9 +123,9 @@ def exact_evaluation_worker(rank: int, world_size: int, sizes: list[int], out: s
     try:
         model = wrap_ddp(small_net(batchnorm=True), ctx)
         skew_batchnorm(unwrap_model(model), rank)
-        results = {count: evaluate(model, evaluation_loader(ctx, count), ctx.device, num_classes=3)
+        results = {count: evaluate(model, CROSS_ENTROPY, evaluation_loader(ctx, count), ctx.device, num_classes=3)
                    for count in sizes}
-        torch.save({count: (r.correct, r.total, r.loss, r.confusion) for count, r in results.items()},
+        torch.save({count: (r.correct, r.total, r.loss, r.sums["confusion"].tolist()) for count, r in results.items()},
                    Path(out) / f"eval_rank{rank}.pth")
     finally:
         cleanup()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from torch.utils.data import DataLoader
 
+from conftest import TINY_FLAGS, run_single_in_this_process
 from multi_train_utils import shutdown
 from multi_train_utils.cli import DATA_DEFAULTS, DEMO_DEFAULTS, get_args_parser, parse_args, run_cli
 from multi_train_utils.errors import UserInputError, one_line
@@ -127,20 +128,14 @@ def test_help_names_each_default_once(launcher: str) -> None:
 
 
 @pytest.mark.parametrize(("flags", "start"), [
-    (["--model", "resnet_nine"], "error: --model 'resnet_nine': neither a model registered in model.py nor a "
-                                 "torchvision classification model"),
-    (["--batch-size", "1"], "error: --batch-size 1: resnet34 cannot train on batches of 1 images"),
-    (["--model", "vit_b_16", "--image-size", "64"], "error: --image-size 64: vit_b_16 cannot train"),
-    (["--weights", "IMAGENET_NONE"], "error: --weights IMAGENET_NONE: no such file, and not a torchvision weights"),
-    (["--data-path", "/no/such/folder"], "error: --data-path /no/such/folder: no such folder"),
-    (["--data-path", __file__], f"error: --data-path {__file__}: not a folder"),
     (["--resume", "/no/such.pth"], "error: --resume /no/such.pth: no such file"),
     (["--resume", "/dev/null"], "error: --resume /dev/null: not a regular file"),
     (["--resume", "/tmp"], "error: --resume /tmp: is a folder"),
     (["--output-dir", __file__], f"error: --output-dir {__file__}: is a file"),
+    (["--freeze-layers", "false", "--unfreeze-epoch", "2"], "error: --unfreeze-epoch 2: there is nothing to unfreeze"),
 ])
-def test_flags_are_checked_against_the_model_and_the_files_before_any_work(
-        flags: list[str], start: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_files_named_by_flags_are_checked_before_any_work(flags: list[str], start: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
     def must_not_run(args: object) -> None:
         raise AssertionError("training started")
 
@@ -149,6 +144,26 @@ def test_flags_are_checked_against_the_model_and_the_files_before_any_work(
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(start), line
+
+
+@pytest.mark.parametrize(("flags", "start"), [
+    (["--model", "resnet_nine"], "error: --model 'resnet_nine': neither a model registered in model.py nor a "
+                                 "torchvision classification model"),
+    (["--batch-size", "1"], "error: --batch-size 1: resnet18 cannot train on batches of 1 images"),
+    (["--model", "vit_b_16", "--image-size", "64"], "error: --image-size 64: vit_b_16 cannot train"),
+    (["--weights", "IMAGENET_NONE"], "error: --weights IMAGENET_NONE: no such file, and not a torchvision weights"),
+    (["--data-path", "/no/such/folder"], "error: --data-path /no/such/folder: no such folder"),
+    (["--data-path", __file__], f"error: --data-path {__file__}: not a folder"),
+])
+def test_the_model_and_the_data_are_checked_before_anything_is_written(
+        flags: list[str], start: str, image_folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = run_single_in_this_process(["--data-path", str(image_folder), "--output-dir", str(out), *TINY_FLAGS,
+                                         *flags])
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(start), line
+    assert not out.exists()
 
 
 def test_one_line_drops_terminal_colour_codes() -> None:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from conftest import free_port
 from multi_train_utils.distributed_utils import single_process
-from multi_train_utils.step_options import StepOptions
+from multi_train_utils.train_eval_utils import StepOptions
 
 
 def rendezvous_on_localhost(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +108,8 @@ def test_a_short_last_group_weighs_each_of_its_batches_by_its_own_size() -> None
         optimizer = ddp_workers.build_optimizer(model, lr=0.05)
         loader = DataLoader(dataset, batch_sampler=batches)
         options = StepOptions("cpu", accum_steps=accum_steps)
-        ddp_workers.train_one_epoch(model, optimizer, loader, ctx.device, 0, options=options)
+        ddp_workers.train_one_epoch(model, ddp_workers.CROSS_ENTROPY, optimizer, loader, ctx.device, 0,
+                                      options=options)
         return model.state_dict()
 
     micro = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
@@ -127,13 +128,14 @@ def test_distributed_evaluation_and_its_confusion_matrix_equal_one_process(tmp_p
     for rank in range(world_size):
         results = torch.load(tmp_path / f"eval_rank{rank}.pth", weights_only=True)
         for count in sizes:
-            alone = ddp_workers.evaluate(model, ddp_workers.evaluation_loader(ctx, count), ctx.device, num_classes=3)
+            alone = ddp_workers.evaluate(model, ddp_workers.CROSS_ENTROPY, ddp_workers.evaluation_loader(ctx, count),
+                                         ctx.device, num_classes=3)
             correct, total, loss, confusion = results[count]
             assert total == count, "padding or skipping changed the number of images"
             assert (correct, total) == (alone.correct, alone.total)
             assert loss == pytest.approx(alone.loss, rel=1e-6)  # float32 sums in another order
             # The confusion matrix, summed in the same all-reduce: the same counts as one process's.
-            assert confusion == alone.confusion and sum(map(sum, confusion)) == count
+            assert confusion == alone.sums["confusion"].tolist() and sum(map(sum, confusion)) == count
             assert sum(confusion[i][i] for i in range(3)) == correct
 
 

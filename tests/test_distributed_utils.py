@@ -13,8 +13,14 @@ import torch
 
 from conftest import requires_cuda
 from multi_train_utils import distributed_utils, errors, shutdown
-from multi_train_utils.ddp import wrap_ddp
 from multi_train_utils.distributed_utils import (
+    SLURM_PORT_BASE,
+    Launch,
+    check_one_gpu_per_process,
+    cpu_threads_for,
+    cpu_threads_per_process,
+    detect_launch,
+    first_host,
     get_rank,
     get_world_size,
     init_distributed_mode,
@@ -24,17 +30,9 @@ from multi_train_utils.distributed_utils import (
     resolve_device,
     single_process,
     use_device,
+    wrap_ddp,
 )
 from multi_train_utils.errors import QuietExit, UserInputError
-from multi_train_utils.launch import (
-    SLURM_PORT_BASE,
-    Launch,
-    check_one_gpu_per_process,
-    cpu_threads_for,
-    cpu_threads_per_process,
-    detect_launch,
-    first_host,
-)
 
 
 def test_torchrun_variables() -> None:

@@ -16,7 +16,7 @@ import train_single_gpu
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, run_single_in_this_process, script_env, torchrun
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.files import claim_folder
+from multi_train_utils.recorder import claim_folder
 
 SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
            "torchrun": [*torchrun(), "--standalone", "--nproc_per_node=2",
@@ -154,7 +154,8 @@ def test_every_damaged_image_is_named_before_the_first_epoch(tmp_path: Path) -> 
     with pytest.raises(UserInputError) as found:
         train_single_gpu.main(args)
     message = str(found.value)
-    assert message.startswith("3 image file(s) cannot be read: ") and message.endswith("; delete or replace them")
+    assert message.startswith(f"3 image file(s) in {folder} cannot be read: ")
+    assert message.endswith("; delete or replace them") and len(message) <= 300 - len("error: ")
     for name in ("a/a_001.jpg (empty)", "b/b_002.jpg (not an image", "b/b_004.jpg (not an image"):
         assert name in message, message
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "stopped before any training"

@@ -49,7 +49,8 @@ def test_torchrun_two_processes(odd_folder: Path, tmp_path: Path) -> None:
     finished(result, tmp_path, world_size=2)
     assert result.stdout.count("[epoch 0] train_loss") == 1, "only rank 0 reports"
     assert "lr 0.01 x 2 process(es) x 1 accumulated batch(es) = 0.02" in result.stdout
-    assert result.stdout.count("--syncBN: switched off, because PyTorch's SyncBatchNorm only runs on CUDA") == 1
+    assert result.stdout.count("--syncBN: switched off: PyTorch's SyncBatchNorm runs on CUDA GPUs only") == 1
+    assert result.stdout.count("| distributed init") == 2 and "cpu| distributed" not in result.stdout, "one line each"
 
 
 def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> None:

@@ -9,9 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from model import build_model, check_model_input, classifier_of, create_model, load_weights
+from model import check_model_input, create_model, load_weights
 from multi_train_utils import checkpoint
+from multi_train_utils.distributed_utils import DistContext, normalised_batch
 from multi_train_utils.errors import UserInputError
+from multi_train_utils.freezing import FrozenBody, classifier_of
 
 
 @pytest.mark.parametrize(("name", "classifier"), [("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"),
@@ -81,11 +83,16 @@ def test_unknown_weights_name_lists_the_choices_once_each() -> None:
     assert str(caught.value).endswith("(one of DEFAULT, IMAGENET1K_V1)")
 
 
-def test_freeze_layers_trains_only_the_classifier() -> None:
-    model = build_model("resnet18", num_classes=4, freeze_layers=True)
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    assert trainable == {"fc.weight", "fc.bias"}
-    assert {n for n, p in build_model("resnet18", 4).named_parameters() if not p.requires_grad} == set()
+def test_freeze_layers_trains_only_the_classifier_until_the_epoch_to_unfreeze() -> None:
+    """Set from the epoch alone, at the start of each: a run resumed at epoch 3 freezes what epoch 3 froze."""
+    model = create_model("resnet18", num_classes=4)
+    frozen, every = FrozenBody(model, unfreeze_epoch=2), {name for name, _ in model.named_parameters()}
+    for epoch, trainable in ((0, {"fc.weight", "fc.bias"}), (3, every), (1, {"fc.weight", "fc.bias"})):
+        frozen.on_epoch_start(epoch)
+        assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable, epoch
+    always = FrozenBody(model)
+    always.on_epoch_start(100)
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == {"fc.weight", "fc.bias"}
 
 
 def test_a_weights_name_without_network_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,3 +143,15 @@ def test_a_batch_the_model_cannot_train_on_is_refused_before_any_work(model: str
     with pytest.raises(UserInputError, match=f"^{flag}: {model} cannot train on batches of {batch_size} images"):
         check_model_input(model, image_size, batch_size)
     check_model_input(model, 224, 2)
+
+
+def test_batch_norm_of_one_image_is_refused_unless_sync_batch_norm_sees_several_processes() -> None:
+    """On 2 GPUs, SyncBatchNorm normalises over the global batch, so --batch-size 1 trains; with plain BatchNorm
+    (any CPU run, or one process) it cannot. The rule is a function of the context, tested without a GPU."""
+    gpus, cpus = (DistContext(0, 0, 2, 2, torch.device(kind, 0) if kind == "cuda" else torch.device("cpu"), True)
+                  for kind in ("cuda", "cpu"))
+    assert normalised_batch(1, gpus, sync_bn=True) == 2
+    check_model_input("resnet18", 32, normalised_batch(1, gpus, sync_bn=True))
+    for ctx, sync_bn in ((gpus, False), (cpus, True)):
+        with pytest.raises(UserInputError, match=r"^--batch-size 1: resnet18 cannot train on batches of 1 images"):
+            check_model_input("resnet18", 32, normalised_batch(1, ctx, sync_bn))

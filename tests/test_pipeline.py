@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import multi_train_utils.data as data
 from conftest import REPO, requires_cuda
-from multi_train_utils import gpu_decode, loader_workers
+from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.pictures import batch_grid
-from multi_train_utils.step_options import StepOptions
-from multi_train_utils.transforms import IMAGENET_MEAN, IMAGENET_STD, build_transforms, to_model_input
-from my_dataset import MyDataSet, collate_fn, decode_rgb, load_rgb
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, StepOptions, normalisation, to_model_input
+from my_dataset import MyDataSet, build_datasets, build_transforms, collate_fn, decode_rgb, load_rgb
 from utils import read_split_data
 
 spec = importlib.util.spec_from_file_location("loader_benchmark", REPO / "bench" / "loader_benchmark.py")
@@ -69,7 +69,10 @@ def old_and_new(path: Path, transform_index: int, seed: int, image_size: int = 2
         old = transforms.Compose([transforms.Resize(round(image_size * 256 / 224)),
                                   transforms.CenterCrop(image_size), transforms.ToTensor(),
                                   transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
-    new = build_transforms(image_size)[transform_index]
+    # The tutorial's own two pipelines in transforms.v2, on uint8 tensors (build_transforms is yours to change).
+    train = [v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()]
+    new = v2.Compose(train if transform_index == 0
+                     else [v2.Resize(round(image_size * 256 / 224), antialias=True), v2.CenterCrop(image_size)])
     torch.manual_seed(seed)
     expected = old(load_rgb(str(path)))
     torch.manual_seed(seed)
@@ -133,7 +136,7 @@ def test_the_batch_grid_shows_uint8_batches() -> None:
 @pytest.mark.parametrize(("cpus", "local_processes", "device", "workers"), [
     (12, 1, "cuda", 11),  # one CPU left to the training process
     (12, 4, "cuda", 2),   # 3 CPUs per GPU process
-    (128, 1, "cuda", loader_workers.MAX_GPU_WORKERS),
+    (128, 1, "cuda", data.MAX_GPU_WORKERS),
     (1, 1, "cuda", 1),
     (2, 1, "cpu", 0),     # on a CPU, training needs the cores itself
     (32, 2, "cpu", 4),
@@ -143,7 +146,7 @@ def test_default_workers_count_the_cpus_this_process_may_use(monkeypatch: pytest
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 256)  # the machine's count must not matter
     ctx = DistContext(0, 0, local_processes, local_processes, torch.device(device), local_processes > 1)
-    assert loader_workers.default_workers(ctx) == workers
+    assert data.default_workers(ctx) == workers
 
 
 def mixed_folder(root: Path) -> list[Path]:
@@ -156,62 +159,46 @@ def mixed_folder(root: Path) -> list[Path]:
 
 
 def test_gpu_decode_logic_on_the_cpu_gives_the_workers_crops_flips_and_labels(tmp_path: Path) -> None:
-    """--decode-on gpu's decoding, boxes and flips, run on the CPU: on the same seed, the same batch as
-    the default pipeline, image for image, labels in order."""
+    """--decode-on gpu's decoding and the dataset's own training transform, run on the CPU: on the same seed,
+    the same batch as the workers' pipeline, image for image, labels in order. An augmentation added to the
+    transform (TrivialAugmentWide) applies on both paths alike."""
     paths = [str(p) for p in mixed_folder(tmp_path)]
     labels = [4, 0, 3, 1, 2]
-    encoded = gpu_decode.EncodedImages(paths, labels, 64)
-    batch, batch_labels = encoded.collate_fn([encoded[i] for i in range(len(paths))])
-    assert batch.shapes[:, 0].tolist() == [0, 0, 3, 3, 0], "the rotated JPEG and the PNG come decoded"
-    for seed in range(3):
-        torch.manual_seed(seed)
-        on_device = batch.decode_and_augment(torch.device("cpu"))
-        torch.manual_seed(seed)
-        reference = MyDataSet(paths, labels, build_transforms(64)[0])
-        expected = torch.stack([reference[i][0] for i in range(len(paths))])
-        assert on_device.dtype == torch.uint8 and torch.equal(on_device, expected), f"seed {seed}"
-    assert batch_labels.tolist() == labels
-
-
-def test_crop_boxes_lie_inside_each_image_at_the_scale_and_ratio_asked() -> None:
-    torch.manual_seed(0)
-    sizes = [(375, 500), (480, 320), (100, 900), (64, 64)] * 50
-    crops = gpu_decode.sample_crops(sizes, 32)
-    for (height, width), crop in zip(sizes, crops, strict=True):
-        assert crop.top >= 0 and crop.top + crop.height <= height and crop.left >= 0 and crop.left + crop.width <= width
-        if (height, width) != (100, 900):  # there RandomResizedCrop may fall back to a central crop
-            assert 0.08 * 0.9 <= crop.height * crop.width / (height * width) <= 1.0
-            assert 3 / 4 * 0.9 <= crop.width / crop.height <= 4 / 3 * 1.1
-    assert 0.35 < sum(crop.flip for crop in crops) / len(crops) < 0.65
-
-
-def test_exactly_the_drawn_images_are_flipped() -> None:
-    ramp = torch.arange(16, dtype=torch.uint8).repeat(3, 16, 1)  # brighter to the right
-    crops = [gpu_decode.Crop(0, 0, 16, 16, flip) for flip in (True, False, False, True)]
-    out = gpu_decode.apply_crops([ramp] * 4, crops, 16)
-    assert [bool(image[0, 0, 0] > image[0, 0, -1]) for image in out] == [True, False, False, True]
+    for transform in (build_transforms(64)[0], v2.Compose([*build_transforms(64)[0].transforms,
+                                                           v2.TrivialAugmentWide()])):
+        reference = MyDataSet(paths, labels, transform)
+        encoded = gpu_decode.EncodedImages(reference)
+        batch, batch_labels = encoded.collate_fn([encoded[i] for i in range(len(paths))])
+        assert batch.shapes[:, 0].tolist() == [0, 0, 3, 3, 0], "the rotated JPEG and the PNG come decoded"
+        for seed in range(3):
+            torch.manual_seed(seed)
+            on_device = batch.decode_and_augment(torch.device("cpu"))
+            torch.manual_seed(seed)
+            expected = torch.stack([reference[i][0] for i in range(len(paths))])
+            assert on_device.dtype == torch.uint8 and torch.equal(on_device, expected), f"seed {seed}"
+        assert batch_labels.tolist() == labels
 
 
 def test_decode_on_gpu_falls_back_on_a_cpu_and_names_the_non_jpegs_on_a_gpu(image_folder: Path,
                                                                              capsys: pytest.CaptureFixture) -> None:
-    cpu = DistContext(0, 0, 1, 1, torch.device("cpu"), False)
-    assert type(data.load_datasets(str(image_folder), 16, cpu, decode_on="gpu").train) is MyDataSet
-    assert "--decode-on gpu: training on cpu, so the loader workers decode the images" in capsys.readouterr().out
-    gpu = DistContext(0, 0, 1, 1, torch.device("cuda"), False)
-    datasets = data.load_datasets(str(image_folder), 16, gpu, decode_on="gpu")
-    assert type(datasets.train) is gpu_decode.EncodedImages and type(datasets.val) is MyDataSet
     split = read_split_data(image_folder)
+    train, _ = build_datasets(split, 16, "gpu", torch.device("cpu"))
+    assert type(train) is MyDataSet
+    assert "--decode-on gpu: training on cpu, so the loader workers decode the images" in capsys.readouterr().out
+    train, val = build_datasets(split, 16, "gpu", torch.device("cuda"))
+    assert type(train) is gpu_decode.EncodedImages and type(val) is MyDataSet
     pngs = sum(path.endswith(".png") for path in split.train_images_path)
     assert f"{pngs} of 24 training images are not JPEGs; the loader workers decode those" in capsys.readouterr().out
 
 
 def test_encoded_batches_cross_from_a_worker_and_can_be_looked_at(tmp_path: Path) -> None:
     paths = [str(p) for p in mixed_folder(tmp_path)]
-    encoded = gpu_decode.EncodedImages(paths, [0, 1, 0, 1, 0], 48)
+    encoded = gpu_decode.EncodedImages(MyDataSet(paths, [0, 1, 0, 1, 0], build_transforms(48)[0]))
     loader = torch.utils.data.DataLoader(encoded, batch_size=5, num_workers=1, collate_fn=encoded.collate_fn,
                                          multiprocessing_context="fork")
     batch, labels = next(iter(loader))
-    assert isinstance(batch, gpu_decode.EncodedBatch) and batch.image_size == 48 and labels.tolist() == [0, 1, 0, 1, 0]
+    assert isinstance(batch, gpu_decode.EncodedBatch) and labels.tolist() == [0, 1, 0, 1, 0]
+    assert batch.decode_and_augment(torch.device("cpu")).shape == (5, 3, 48, 48)
     assert batch_grid(batch, labels).size == (4 * 128, 2 * (128 + 14))
 
 
@@ -239,7 +226,7 @@ def test_on_a_gpu_nvjpeg_gives_the_workers_batch_within_rounding(tmp_path: Path)
     """nvjpeg's inverse DCT and the GPU's float resizing round differently from libjpeg-turbo and the CPU's
     fixed-point resizing: a few levels here and there. A wrong box or flip would be tens of levels off."""
     paths = [str(p) for p in mixed_folder(tmp_path)]
-    encoded = gpu_decode.EncodedImages(paths, list(range(len(paths))), 64)
+    encoded = gpu_decode.EncodedImages(MyDataSet(paths, list(range(len(paths))), build_transforms(64)[0]))
     batch, _ = encoded.collate_fn([encoded[i] for i in range(len(paths))])
     torch.manual_seed(0)
     on_gpu = batch.decode_and_augment(torch.device("cuda"))
@@ -254,7 +241,5 @@ def test_on_a_gpu_nvjpeg_gives_the_workers_batch_within_rounding(tmp_path: Path)
 
 def test_the_normalisation_constants_are_made_once_per_device() -> None:
     """Made in every step, their copy to a GPU would make the CPU wait for the GPU every step."""
-    from multi_train_utils.transforms import normalisation
-
     first, again = normalisation(torch.device("cpu")), normalisation(torch.device("cpu"))
     assert first[0] is again[0] and first[1] is again[1]

@@ -32,13 +32,12 @@ from conftest import (
     torchrun,
 )
 from multi_train_utils import preemption, shutdown
-from multi_train_utils.data import ResumableDistributedSampler
+from multi_train_utils.data import ResumableDistributedSampler, leave_signals_to_the_trainer, loader_start_method
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import Preempted
-from multi_train_utils.hooks import StepEnd
-from multi_train_utils.loader_workers import leave_signals_to_the_trainer, loader_start_method
 from multi_train_utils.periodic_checkpoints import PeriodicCheckpoints
 from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.train_eval_utils import StepEnd
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
 FLAGS = [*TINY_FLAGS, "--epochs", "1", "--batch-size", "3", "--lr", "0.002"]
@@ -91,8 +90,8 @@ def test_a_fresh_epoch_is_the_shuffle_distributed_sampler_deals_without_its_repe
 
 # ---- when to write a checkpoint inside an epoch, and when to stop ---------------------------------------------
 
-def step_end(epoch: int, step: int) -> StepEnd:
-    return StepEnd(epoch, step, step * 2, torch.zeros(()), torch.zeros(()), nn.Linear(1, 1))
+def step_end(epoch: int, step: int, steps_per_epoch: int = 6) -> StepEnd:
+    return StepEnd(epoch, step, steps_per_epoch, step * 2, torch.zeros(()), torch.zeros(()), nn.Linear(1, 1))
 
 
 def test_checkpoints_come_every_n_steps_or_m_minutes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,7 +150,8 @@ def test_keep_checkpoints_keeps_the_newest_k(tmp_path: Path, keep: int) -> None:
         for epoch, step in positions:
             progress = {"epoch": epoch, "step": step} if step else None
             recorder.write_checkpoint({"model": {}, "epoch": epoch if progress is None else epoch - 1,
-                                       "progress": progress})
+                                       "progress": progress},
+                                      f"epoch-{epoch}-end" if step is None else f"epoch-{epoch}-step-{step}")
             time.sleep(0.01)  # distinct modification times, by which the oldest go first
     newest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert newest["progress"] == {"epoch": 1, "step": 4}
@@ -261,7 +261,7 @@ def test_a_single_process_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with
     real_train_one_epoch = engine.train_one_epoch
 
     def sigterm_at_batch_1(*args: object, **kwargs: object) -> float:
-        loader = args[2]
+        loader = args[3]
 
         class Signalling:  # the loader, sending SIGTERM as it hands out batch 1
             def __len__(self) -> int:
@@ -273,7 +273,7 @@ def test_a_single_process_run_stopped_by_sigterm_mid_epoch_and_resumed_ends_with
                         os.kill(os.getpid(), signal.SIGTERM)
                     yield batch
 
-        return real_train_one_epoch(*args[:2], Signalling(), *args[3:], **kwargs)
+        return real_train_one_epoch(*args[:3], Signalling(), *args[4:], **kwargs)
 
     monkeypatch.setattr(engine, "train_one_epoch", sigterm_at_batch_1)
     stopped = train_in_this_process(data, tmp_path / "run")

@@ -1,8 +1,10 @@
-"""What rank 0 writes for TensorBoard, read back with TensorBoard's own event reader."""
+"""What rank 0 writes: metrics.jsonl, weights, and TensorBoard's events (read back with TensorBoard's own event
+reader), counted in optimizer steps, so that a resumed run's per-step curves go on where its checkpoint was."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -12,16 +14,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import train_single_gpu
-from conftest import TINY_FLAGS
+from conftest import TINY_FLAGS, make_image_folder
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import DistContext, single_process
-from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.tensorboard_log import TensorBoardLog
-from multi_train_utils.transforms import IMAGENET_MEAN, IMAGENET_STD
+from multi_train_utils.recorder import STEP_LOG_EVERY, RunRecorder, SavedRun
+from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, StepEnd
 
 SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
 CLASSES = ["red", "green", "blue"]
 SPLIT = {"class_names": CLASSES, "train": ["red/1.jpg"], "val": ["red/2.jpg"]}
+STEPS_PER_EPOCH = 20
 
 
 def read_events(output_dir: Path) -> EventAccumulator:
@@ -40,31 +42,41 @@ def normalised_batch(colours: list[tuple[int, int, int]], side: int = 16) -> tor
 def epoch_metrics(epoch: int) -> dict:
     return {"epoch": epoch, "train_loss": 1.0 / (epoch + 1), "val_loss": 1.5 / (epoch + 1), "val_acc": 0.5 + epoch / 10,
             "val_correct": 5 + epoch, "val_total": 10, "lr": 0.01 / (epoch + 1), "images_per_s": 100.0 + epoch,
-            "epoch_time_s": 3.0, "world_size": 1,
-            "confusion_matrix": [[3, 1, 0], [0, 2 + epoch, 1 - epoch // 2], [0, 0, 3]]}
+            "epoch_time_s": 3.0, "world_size": 1}
 
 
-def record(recorder: RunRecorder, epochs: int, first_batch: torch.Tensor | None = None) -> None:
-    """What fit does with the recorder and the TensorBoard hook, for `epochs` epochs."""
-    log = TensorBoardLog(recorder)
-    for epoch in range(epochs):
-        log.on_epoch_start(epoch)
+def step_end(epoch: int, step: int) -> StepEnd:
+    zero = torch.zeros(())
+    return StepEnd(epoch, step, STEPS_PER_EPOCH, step, zero, zero, nn.Linear(2, 3),
+                   {"loss": torch.tensor(1.0 / (1 + epoch * STEPS_PER_EPOCH + step)), "lr": 0.1})
+
+
+def record(recorder: RunRecorder, epochs: range, first_batch: torch.Tensor | None = None,
+           stop_at: int | None = None) -> None:
+    """What fit does with the recorder, for `epochs`, each of STEPS_PER_EPOCH steps (stopping after run step
+    `stop_at`, as a killed run would)."""
+    for epoch in epochs:
         if first_batch is not None:
-            log.on_first_batch(first_batch, torch.arange(len(first_batch)))
-        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=True)
-        log.on_epoch_end(epoch, epoch_metrics(epoch))
-    log.on_fit_end()
+            recorder.on_first_batch(first_batch, torch.arange(len(first_batch)))
+        for step in range(1, STEPS_PER_EPOCH + 1):
+            recorder.on_step_end(step_end(epoch, step))
+            if stop_at is not None and epoch * STEPS_PER_EPOCH + step == stop_at:
+                return
+        confusion = torch.tensor([[3, 1, 0], [0, 2 + epoch, 1 - epoch // 2], [0, 0, 3]])
+        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), confusion, improved=True,
+                           run_step=(epoch + 1) * STEPS_PER_EPOCH)
 
 
-def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp_path: Path) -> None:
+def test_events_hold_every_scalar_at_its_step_the_batch_grid_and_the_args(tmp_path: Path) -> None:
     with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {"lr": 0.01, "model": "resnet18"}) as recorder:
-        record(recorder, 3, normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]))
+        record(recorder, range(3), normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]))
     events = read_events(tmp_path)
-    assert set(events.Tags()["scalars"]) == set(SCALARS), "every float of the metrics: no list to edit"
+    assert set(SCALARS) <= set(events.Tags()["scalars"]), "every float of the metrics: no list to edit"
     for name in SCALARS:
         points = events.Scalars(name)
-        assert [p.step for p in points] == [0, 1, 2], name
+        assert [p.step for p in points] == [20, 40, 60], name
         assert [p.value for p in points] == [torch.tensor(epoch_metrics(e)[name]).item() for e in range(3)], name
+    assert [p.step for p in events.Scalars("step/loss")] == list(range(STEP_LOG_EVERY, 61, STEP_LOG_EVERY))
     (grid,) = events.Images("first_training_batch")
     assert grid.step == 0
     with Image.open(io.BytesIO(grid.encoded_image_string)) as picture:
@@ -72,16 +84,32 @@ def test_events_hold_every_scalar_once_per_epoch_the_batch_grid_and_the_args(tmp
         assert picture.size == (3 * 128, 128 + 14)
         assert picture.convert("RGB").getpixel((64, 64)) == (255, 0, 0)
         assert picture.convert("RGB").getpixel((2 * 128 + 64, 64)) == (0, 0, 255)
+    assert [image.step for image in events.Images("confusion_matrix")] == [20, 40, 60]
     (args_text,) = events.Tensors("args/text_summary")
     assert "| model | resnet18 |" in args_text.tensor_proto.string_val[0].decode()
+
+
+def test_a_resumed_run_keeps_the_curves_up_to_its_checkpoint_and_drops_the_rest(tmp_path: Path) -> None:
+    """Killed at step 47, resumed from the checkpoint of step 30 (epoch 1, step 10): the points up to step 30
+    stay, those the killed run drew after it go, and the resumed run draws on from step 31."""
+    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}) as killed:
+        record(killed, range(3), stop_at=47)
+    saved = SavedRun(str(tmp_path / "checkpoint.pth"), {"epoch": 0, "progress": {"epoch": 1, "step": 10}})
+    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}, saved) as resumed:
+        for step in range(11, STEPS_PER_EPOCH + 1):
+            resumed.on_step_end(step_end(1, step))
+        resumed.end_epoch(nn.Linear(2, 3), epoch_metrics(1), None, improved=False, run_step=40)
+    events = read_events(tmp_path)
+    assert [p.step for p in events.Scalars("step/loss")] == [10, 20, 30, 40], "no point lost, none twice"
+    assert [p.step for p in events.Scalars("val_acc")] == [20, 40]
 
 
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     rank1 = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"),
                         distributed=True)
     with RunRecorder(tmp_path / "run", rank1, SPLIT, {}) as recorder:
-        record(recorder, 1, normalised_batch([(255, 0, 0)]))
-        recorder.write_checkpoint({"model": {}, "epoch": 0})
+        record(recorder, range(1), normalised_batch([(255, 0, 0)]))
+        recorder.write_checkpoint({"model": {}, "epoch": 0}, "epoch-0-end")
     assert not (tmp_path / "run").exists()
 
 
@@ -91,7 +119,8 @@ def test_a_real_run_shows_every_scalar_per_epoch_and_its_first_batch(image_folde
                                                 *TINY_FLAGS, "--epochs", "2"]))
     events = read_events(out)
     for name in SCALARS:
-        assert [p.step for p in events.Scalars(name)] == [0, 1], name
+        assert [p.step for p in events.Scalars(name)] == [6, 12], name  # 24 images, batches of 4
+    assert [p.step for p in events.Scalars("step/lr")] == [10]
     (grid,) = events.Images("first_training_batch")
     assert grid.step == 0
     with Image.open(io.BytesIO(grid.encoded_image_string)) as picture:
@@ -105,8 +134,8 @@ def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path
     with RunRecorder(tmp_path, single_process("cpu"), SPLIT, args) as recorder:
         due = [epoch for epoch in range(5) if recorder.checkpoint_due(epoch, last_epoch=4)]
         for epoch in range(5):
-            recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), improved=epoch == 1)
-        recorder.write_checkpoint({"model": {}, "epoch": due[-1]})
+            recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), None, improved=epoch == 1, run_step=epoch)
+        recorder.write_checkpoint({"model": {}, "epoch": due[-1]}, "epoch-4-end")
     assert due == [1, 3, 4]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["best.pth"]
     assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 4
@@ -115,12 +144,53 @@ def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path
 def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Path) -> None:
     with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}) as recorder:
         assert all(recorder.checkpoint_due(epoch, last_epoch=9) for epoch in range(10))
-        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), improved=False)
+        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), None, improved=False, run_step=1)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["model-0.pth"]
 
 
 def test_the_tensorboard_hint_quotes_a_path_with_spaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "my runs" / "run 1"
-    with RunRecorder(out, single_process("cpu"), SPLIT, {}) as recorder:
-        TensorBoardLog(recorder).on_fit_end()
+    with RunRecorder(out, single_process("cpu"), SPLIT, {}):
+        pass
     assert f"tensorboard --logdir '{out}'" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("classes", [1000, 21_841])
+def test_many_classes_keep_each_line_small_and_the_picture_bounded(tmp_path: Path, classes: int) -> None:
+    """ImageNet's 1000 classes (and 21k's 21,841): the counts stay exact; a metrics.jsonl line names the classes
+    confused most instead of a million counts, the whole matrix (where it is counted) has a file of its own,
+    and the picture shows the classes confused most."""
+    from multi_train_utils.confusion import MAX_PICTURE_CLASSES, class_figures, class_sums, per_class
+
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, classes, (5000,), generator=generator)
+    predictions = torch.where(torch.rand(5000, generator=generator) < 0.3, (labels + 1) % classes, labels)
+    labels[:40], predictions[:40] = 3, 7  # class 3 taken for class 7 the most
+    sums = class_sums(labels, predictions, classes)
+    names = [f"class_{index:05d}" for index in range(classes)]
+    figures = class_figures(sums, names)
+    assert len(json.dumps(figures)) < 5000 and "confusion_matrix" not in figures
+    assert sum(per["count"] for per in per_class(sums, names).values()) == 5000
+    if classes > 1024:
+        assert "confusion" not in sums and figures == {}, "per-class counts only: 21,841 squared counts is 3.8 GB"
+        return
+    assert figures["most_confused"][0] == {"true": "class_00003", "predicted": "class_00007", "count": 40}
+    with RunRecorder(tmp_path, single_process("cpu"), {"class_names": names}, {}) as recorder:
+        recorder.end_epoch(nn.Linear(2, 3), {**epoch_metrics(0), **figures}, sums["confusion"], improved=False,
+                           run_step=1)
+    saved = torch.load(tmp_path / "confusion.pt", weights_only=True)
+    assert torch.equal(saved["confusion"].long(), sums["confusion"]) and saved["epoch"] == 0
+    (picture,) = read_events(tmp_path).Images("confusion_matrix")
+    with Image.open(io.BytesIO(picture.encoded_image_string)) as image:
+        assert max(image.size) < (MAX_PICTURE_CLASSES + 10) * 44
+    assert (tmp_path / "metrics.jsonl").stat().st_size < 10_000
+
+
+def test_a_real_run_of_many_classes_writes_small_lines(tmp_path: Path) -> None:
+    data = make_image_folder(tmp_path / "images", {f"c{index:03d}": 2 for index in range(120)}, size=16)
+    out = tmp_path / "run"
+    train_single_gpu.main(parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                                                "--batch-size", "16"]))
+    (line,) = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(line) < 5000 and json.loads(line)["val_total"] == 120
+    assert torch.load(out / "confusion.pt", weights_only=True)["confusion"].sum() == 120

@@ -60,7 +60,7 @@ def test_a_run_stopped_after_an_epoch_and_resumed_ends_with_the_same_weights(
     original = engine.train_one_epoch
 
     def stop_at_epoch_2(*args: object, **kwargs: object) -> float:
-        if kwargs.get("epoch", args[4] if len(args) > 4 else None) == 2:
+        if kwargs.get("epoch", args[5] if len(args) > 5 else None) == 2:
             raise Stop
         return original(*args, **kwargs)
 
@@ -136,7 +136,7 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from model import create_model
     from multi_train_utils.optim import build_optimizer
-    from multi_train_utils.step_options import StepOptions
+    from multi_train_utils.train_eval_utils import StepOptions
 
     train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
@@ -145,7 +145,7 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
     model = create_model("resnet18", 3)
     monkeypatch.setattr(checkpoint, "get_world_size", lambda: 4)
     with checkpointer(model, build_optimizer(model, lr=0.002 * 4), tmp_path / "four") as four:
-        assert four.resume(saved) == 2 and four.best_acc == pytest.approx(saved.state["best_acc"])
+        assert four.resume(saved) == 2 and four.best.value == pytest.approx(saved.state["best"]["value"])
     assert four.optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved_lr)
     assert four.scheduler.base_lrs == [pytest.approx(0.008)] * 2
     # The same for a larger optimizer step made of accumulated batches: 2 processes x 3 batches = 6 x 0.002.
@@ -271,8 +271,9 @@ def test_a_resume_keeps_the_runs_classes_and_split_whatever_happened_to_the_fold
     out = tmp_path / "run"
     train(data, out, "--epochs", "1")
     started = json.loads((out / "split.json").read_text())
-    assert started == torch.load(out / "checkpoint.pth", weights_only=True)["split"]
-    assert started["class_names"] == ["blue", "green", "red"] and len(started["train"]) == 24
+    record = torch.load(out / "checkpoint.pth", weights_only=True)["split"]
+    assert started["class_names"] == record["class_names"] == ["blue", "green", "red"] and len(started["train"]) == 24
+    assert (record["train_count"], record["val_count"]) == (24, 6), "the checkpoint keeps counts and a digest"
 
     (data / started["train"][0]).unlink()
     (data / started["val"][0]).unlink()

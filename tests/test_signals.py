@@ -140,7 +140,7 @@ def test_ctrl_c_in_a_loader_worker_is_left_to_the_training_process(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C reaches the loader workers too; one busy with an item would raise KeyboardInterrupt, which the
     loader re-raises in the training process with the worker's traceback, once per worker."""
-    from multi_train_utils.loader_workers import leave_signals_to_the_trainer, loader_start_method
+    from multi_train_utils.data import leave_signals_to_the_trainer, loader_start_method
 
     monkeypatch.setenv("WORKER_PID_FILE", str(tmp_path / "worker"))
     loader = torch.utils.data.DataLoader(SlowDataset(), batch_size=1, num_workers=1,

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
-import ddp_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import TINY_FLAGS
 from multi_train_utils import spawn_utils
+from multi_train_utils.cli import run_cli
 from multi_train_utils.errors import UserInputError
 
 
@@ -51,23 +51,32 @@ def test_more_processes_than_gpus_is_a_clear_error() -> None:
         spawn_utils.processes_to_start(gpus + 1, "cuda")
 
 
+def spawn_job(argv: list[str]) -> int:
+    """The spawn script run here, through run_cli, as `python train_multi_gpu_using_spawn.py ARGV`: its exit code."""
+    import train_multi_gpu_using_spawn
+
+    with pytest.raises(SystemExit) as ended:
+        run_cli(train_multi_gpu_using_spawn.main, "spawn", argv)
+    return ended.value.code
+
+
 @pytest.mark.slow
-def test_a_port_taken_meanwhile_is_retried(monkeypatch: pytest.MonkeyPatch, no_preset_port: None, taken_port: int,
-                                           capsys: pytest.CaptureFixture) -> None:
-    ports = iter([taken_port, free_port()])
-    monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: next(ports))
-    spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
-    assert "was taken meanwhile; trying another" in capsys.readouterr().out
-    assert "MASTER_PORT" not in os.environ, "a port we chose is not left for the next job"
+def test_a_port_taken_after_the_script_chose_it_is_one_line(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
+                                                             taken_port: int, tmp_path: Path,
+                                                             capfd: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: taken_port)
+    assert spawn_job(["--world-size", "2", "--output-dir", str(tmp_path / "run"), *TINY_FLAGS]) == 2
+    errors = capfd.readouterr().err.strip().splitlines()
+    assert errors == [f"error: port {taken_port}, free when the spawn script chose it, was taken by another program "
+                      "before the processes met there; start the job again"], errors
 
 
 @pytest.mark.slow
 def test_a_preset_master_port_is_used_and_not_replaced(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
-                                                        taken_port: int, capfd: pytest.CaptureFixture) -> None:
+                                                        taken_port: int, tmp_path: Path,
+                                                        capfd: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("MASTER_PORT", str(taken_port))
-    with pytest.raises(SystemExit) as exit_info:
-        spawn_utils.spawn_workers(ddp_workers.all_reduce_worker, 2, argparse.Namespace())
-    assert exit_info.value.code == 2
+    assert spawn_job(["--world-size", "2", "--output-dir", str(tmp_path / "run"), *TINY_FLAGS]) == 2
     errors = capfd.readouterr().err.strip().splitlines()
     assert errors == [f"error: MASTER_PORT {taken_port}: another program listens on that port; choose a "
                       "free one, or unset MASTER_PORT for the spawn script to pick one"], errors

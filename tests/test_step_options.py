@@ -10,16 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-import multi_train_utils.step_options as step_options
+import multi_train_utils.versions as versions
 import train_single_gpu
 from conftest import TINY_FLAGS, checkpointer, make_image_folder
-from multi_train_utils import checkpoint
+from multi_train_utils import checkpoint, files
 from multi_train_utils.cli import parse_args
-from multi_train_utils.ddp import unwrap_model, wrap_ddp
-from multi_train_utils.distributed_utils import single_process
+from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.step_options import StepOptions, autocast_dtype
-from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
+from multi_train_utils.train_eval_utils import StepOptions, autocast_dtype, evaluate, train_one_epoch
 
 
 def record_conv_io(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -35,7 +33,8 @@ def one_epoch(options: StepOptions, model: nn.Module | None = None) -> tuple[nn.
     model = model.to(memory_format=options.memory_format)
     optimizer = ddp_workers.build_optimizer(model, lr=0.05)
     loader = torch.utils.data.DataLoader(ddp_workers.fixed_data(16), batch_size=4)
-    return model, train_one_epoch(model, optimizer, loader, torch.device("cpu"), 0, options=options)
+    return model, train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, loader, torch.device("cpu"), 0,
+                                  options=options)
 
 
 def test_bf16_autocast_on_cpu_runs_the_convolutions_in_bf16_and_trains() -> None:
@@ -55,8 +54,8 @@ def test_channels_last_reaches_the_weights_and_the_images() -> None:
     model, _ = one_epoch(StepOptions("cpu", channels_last=True), model)
     assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in seen)
-    result = evaluate(model, torch.utils.data.DataLoader(ddp_workers.fixed_data(8), batch_size=4),
-                      torch.device("cpu"), StepOptions("cpu", channels_last=True))
+    loader = torch.utils.data.DataLoader(ddp_workers.fixed_data(8), batch_size=4)
+    result = evaluate(model, nn.CrossEntropyLoss(), loader, torch.device("cpu"), StepOptions("cpu", channels_last=True))
     assert result.total == 8
 
 
@@ -67,7 +66,7 @@ def test_channels_last_reaches_the_weights_and_the_images() -> None:
 def test_amp_choices_on_cpu(amp: str, has_bf16: bool, expected: torch.dtype | None,
                             monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """auto never picks an emulated bf16 (25 times slower here); an explicit bf16 is kept, with a warning."""
-    monkeypatch.setattr(step_options, "cpu_has_bf16", lambda: has_bf16)
+    monkeypatch.setattr(versions, "cpu_has_bf16", lambda: has_bf16)
     assert autocast_dtype(amp, torch.device("cpu")) == expected
     warned = "this CPU has no bfloat16 instructions" in capsys.readouterr().out
     assert warned == (amp != "off" and not has_bf16)
@@ -79,7 +78,7 @@ def test_fp16_on_cpu_is_refused_naming_the_flag() -> None:
 
 
 def test_options_from_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(step_options, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(versions, "cpu_has_bf16", lambda: True)
     args = parse_args("launch", ["--amp", "--channels-last", "--accum-steps", "3", "--comm-hook", "bf16",
                                  "--bucket-cap-mb", "50"])
     options = StepOptions.from_args(args, torch.device("cpu"))
@@ -187,7 +186,7 @@ def test_a_checkpoint_resumes_under_other_optimizer_options_and_memory_format() 
 
 
 def test_checkpoint_tensors_are_saved_on_the_cpu() -> None:
-    moved = checkpoint.to_cpu({"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "text"})
+    moved = files.to_cpu({"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "text"})
     assert moved["a"][0].device.type == "cpu" and isinstance(moved["a"][1], tuple) and moved["b"] == "text"
 
 

@@ -14,14 +14,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import free_port
-from multi_train_utils import distributed_utils, shutdown
+from multi_train_utils import distributed_utils
 from multi_train_utils.cli import parse_args
-from multi_train_utils.confusion import confusion_image, count_confusion, per_class
+from multi_train_utils.confusion import class_figures, class_sums, confusion_image, per_class
 from multi_train_utils.ema import ModelEma, ema_decay_per_step
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.optim import align_schedule, build_optimizer, build_scheduler, cosine, warmup_then
-from multi_train_utils.step_options import StepOptions
-from multi_train_utils.train_eval_utils import train_one_epoch
+from multi_train_utils.train_eval_utils import StepOptions, train_one_epoch
 
 
 def test_the_ema_is_the_hand_computed_average_of_the_weights_after_each_step() -> None:
@@ -52,15 +51,18 @@ def test_the_ema_and_its_best_accuracy_are_restored_from_a_checkpoint() -> None:
     with torch.no_grad():
         model.weight.add_(1.0)
     ema.update(model)
-    ema.best_acc = 0.75
+    ema.best.value = 0.75
     restored = ModelEma(nn.Linear(2, 1), 0.5, 1)
     restored.load_state_dict(ema.state_dict())
-    assert torch.equal(restored.model.weight, ema.model.weight) and restored.best_acc == 0.75
+    assert torch.equal(restored.model.weight, ema.model.weight) and restored.best.value == 0.75
     assert restored.averaged.n_averaged.item() == 2, "the next update averages, instead of copying again"
-    assert ModelEma.from_args({"model_ema": False}, None, None, None) is None
+    by_loss = ModelEma(nn.Linear(2, 1), 0.5, 1, best_metric="val_loss")
+    by_loss.load_state_dict(ema.state_dict())
+    assert by_loss.best.value is None, "the best by another metric is not this run's best"
 
 
-def one_step(options: StepOptions, logits: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+def one_step(options: StepOptions, logits: torch.Tensor, labels: torch.Tensor,
+             criterion: nn.Module | None = None) -> tuple[float, torch.Tensor]:
     """One optimizer step of the training loop (plain SGD, lr 1) on a model that passes `logits` through its
     weights: (the loss the loop reports, the change the step made to the weights)."""
     model = nn.Linear(logits.shape[1], logits.shape[1])
@@ -69,8 +71,8 @@ def one_step(options: StepOptions, logits: torch.Tensor, labels: torch.Tensor) -
         model.bias.zero_()
     before = model.weight.detach().clone()
     loader = DataLoader(TensorDataset(logits, labels), batch_size=len(labels))
-    loss = train_one_epoch(model, torch.optim.SGD(model.parameters(), lr=1.0), loader, torch.device("cpu"), 0,
-                           options=options)
+    loss = train_one_epoch(model, criterion or nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=1.0),
+                           loader, torch.device("cpu"), 0, options=options)
     return loss, before - model.weight.detach()
 
 
@@ -83,7 +85,8 @@ def test_label_smoothing_is_the_formula_of_its_paper() -> None:
     log_p = LOGITS.log_softmax(dim=1)
     target = torch.full_like(log_p, smoothing / 4) + (1 - smoothing) * nn.functional.one_hot(LABELS, 4)
     expected = -(target * log_p).sum(dim=1).mean()
-    assert one_step(StepOptions(label_smoothing=smoothing), LOGITS, LABELS)[0] == pytest.approx(expected.item())
+    smoothed = nn.CrossEntropyLoss(label_smoothing=smoothing)  # what the scripts build from --label-smoothing
+    assert one_step(StepOptions(), LOGITS, LABELS, smoothed)[0] == pytest.approx(expected.item())
     plain = one_step(StepOptions(), LOGITS, LABELS)[0]
     assert plain == pytest.approx(nn.functional.cross_entropy(LOGITS, LABELS).item())
 
@@ -125,13 +128,15 @@ def test_a_resumed_schedule_is_put_at_this_runs_step() -> None:
 
 def test_the_confusion_matrix_counts_true_rows_and_predicted_columns() -> None:
     labels, predictions = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([0, 1, 1, 2, 0, 2])
-    matrix = count_confusion(labels, predictions, 3).tolist()
-    assert matrix == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
-    figures = per_class(matrix, ["a", "b", "c"])
+    sums = class_sums(labels, predictions, 3)
+    assert sums["confusion"].tolist() == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
+    figures = per_class(sums, ["a", "b", "c"])
     assert figures["a"] == {"precision": 0.5, "recall": 0.5, "count": 2}
     assert figures["c"] == {"precision": 1.0, "recall": pytest.approx(2 / 3), "count": 3}
-    assert per_class([[0, 0], [2, 0]], ["x", "y"])["y"] == {"precision": 0.0, "recall": 0.0, "count": 2}
-    picture = confusion_image(matrix, ["a", "b", "a much longer name"])
+    never_predicted = class_sums(torch.tensor([1, 1]), torch.tensor([0, 0]), 2)
+    assert per_class(never_predicted, ["x", "y"])["y"] == {"precision": 0.0, "recall": 0.0, "count": 2}
+    assert class_figures(sums, ["a", "b", "c"])["confusion_matrix"] == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
+    picture = confusion_image(sums["confusion"], ["a", "b", "a much longer name"])
     assert picture.mode == "RGB" and picture.width > 3 * 44 and picture.height > 3 * 44
 
 
@@ -173,7 +178,6 @@ def test_windows_takes_gloo_and_a_store_without_libuv(monkeypatch: pytest.Monkey
     monkeypatch.delenv("USE_LIBUV", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    monkeypatch.setattr(shutdown, "stop_when_launcher_dies", lambda: None)
     ctx = distributed_utils.init_distributed_mode("cpu", spawn_rank=0, spawn_world_size=1)
     try:
         assert os.environ["USE_LIBUV"] == "0" and torch.distributed.get_backend() == "gloo"

@@ -13,15 +13,8 @@ from torch import nn
 
 from conftest import REPO, python, run
 from multi_train_utils import shutdown, versions
-from multi_train_utils.versions import (
-    OLDEST_TORCH,
-    OLDEST_TORCHVISION,
-    abort_process_group,
-    cpu_has_bf16,
-    release,
-    uncompiled,
-    unsupported_pytorch,
-)
+from multi_train_utils.errors import release, unsupported_pytorch
+from multi_train_utils.versions import OLDEST_TORCH, OLDEST_TORCHVISION, abort_process_group, cpu_has_bf16, uncompiled
 
 # Each program with the too old package faked; two of them in the quick tests, all in the full run.
 OLDER_PYTORCH = [("train_single_gpu.py", "torch"), ("train_multi_gpu_using_spawn.py", "torchvision"),
@@ -66,11 +59,13 @@ def test_ci_tests_the_oldest_pair_too() -> None:
 
 @pytest.mark.parametrize(("script", "package"), OLDER_PYTORCH)
 def test_every_script_stops_in_one_line_on_an_older_pytorch(script: str, package: str, tmp_path: Path) -> None:
-    """--help: were the check missing, the script would print its help and exit 0, doing no work either."""
+    """--help: were the check missing, the script would print its help and exit 0, doing no work either. The
+    release is read as pip installed it (without importing torch, which takes seconds): faked there."""
     older = {"torch": "2.5.1", "torchvision": "0.20.1"}[package]
     path = REPO / script
     # As `python SCRIPT --help` would run it (its folder first on sys.path), with the older version faked.
-    fake_older = (f"import runpy, sys, {package}; {package}.__version__ = {older!r}; "
+    fake_older = ("import runpy, sys, importlib.metadata as metadata; installed = metadata.version; "
+                  f"metadata.version = lambda name: {older!r} if name == {package!r} else installed(name); "
                   f"sys.argv = [{str(path)!r}, '--help']; sys.path.insert(0, {str(path.parent)!r}); "
                   f"runpy.run_path({str(path)!r}, run_name='__main__')")
     result = run([python(), "-c", fake_older], cwd=tmp_path, timeout=120)

@@ -54,7 +54,7 @@ if any(f"{name}_RANK" in os.environ for name in ("FAIL", "HANG", "KILL", "NAN", 
 
     _train_one_epoch = engine.train_one_epoch
 
-    def _faulty_train_one_epoch(model, optimizer, data_loader, device, epoch, *rest):
+    def _faulty_train_one_epoch(model, criterion, optimizer, data_loader, device, epoch, *rest):
         if _strikes("FAIL", epoch):
             raise RuntimeError(f"failure injected on rank {get_rank()}")
         if _strikes("HANG", epoch):
@@ -66,7 +66,7 @@ if any(f"{name}_RANK" in os.environ for name in ("FAIL", "HANG", "KILL", "NAN", 
         if _strikes("SIGNAL", epoch) and not os.path.exists(os.environ["SIGNAL_ONCE_FILE"]):
             open(os.environ["SIGNAL_ONCE_FILE"], "w").close()  # not again in the resumed run
             data_loader = _Altered(data_loader, _signal_at_step)
-        return _train_one_epoch(model, optimizer, data_loader, device, epoch, *rest)
+        return _train_one_epoch(model, criterion, optimizer, data_loader, device, epoch, *rest)
 
     engine.train_one_epoch = _faulty_train_one_epoch
 
