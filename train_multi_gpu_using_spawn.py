@@ -43,10 +43,9 @@ from utils import read_data
 
 def main(args: argparse.Namespace) -> None:
     world_size = processes_to_start(args.world_size, args.device)
-    # The processes meet on a free port of 127.0.0.1 (unless MASTER_ADDR/PORT say where); SIGTERM and Ctrl-C
-    # reach every one of them.
+    # They meet on a free port of 127.0.0.1 (or MASTER_ADDR/PORT); SIGTERM and Ctrl-C reach every one of them.
     with meeting_on_a_free_port(), stop_signals_passed_on() as signals:
-        # Starts world_size new Python processes, each running worker(rank, world_size, args), rank 0 to N-1.
+        # world_size new Python processes, each running worker(rank, world_size, args), rank 0 to N-1
         processes = mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=False)
         wait_for_all(processes, signals, args.stop_grace)  # one failed: the others are stopped, the job fails
 

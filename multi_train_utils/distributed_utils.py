@@ -402,7 +402,7 @@ def broadcast_from_main(obj: Any) -> Any:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (it may be taken before we use it: callers retry)."""
+    """A port nobody listens on right now (another program may take it before it is used: port_taken_line)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -8,8 +8,7 @@ run when the package is first imported). Why the oldest pair is torch 2.6 with t
   later. Older releases send SIGTERM at once and SIGKILL only after 30 s; doing otherwise there would mean
   copying join()'s own handling of the processes. (2.6 also brought _abort_process_group, needed since 2.6's
   destroy_process_group waits for NCCL's collectives in flight; before, it aborted them itself.)
-- torchvision 0.21 is the release built for torch 2.6 (its wheels require torch 2.6.0 exactly). It made
-  RandomResizedCrop.make_params public, which --decode-on gpu draws its crops with.
+- torchvision 0.21 is the release built for torch 2.6 (its wheels require torch 2.6.0 exactly).
 
 The private PyTorch functions the engine uses are reached only from here, each behind a check that it exists
 and a fallback for a release without it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,5 +139,21 @@ def all_reduce_worker(rank: int, world_size: int, args: object) -> None:
         total = torch.tensor([float(rank)])
         torch.distributed.all_reduce(total)
         assert total.item() == sum(range(world_size))
+    finally:
+        cleanup()
+
+
+def listing_worker(rank: int, world_size: int, data: str, out: str) -> None:
+    """utils.read_data on every rank, counting who reads the folder."""
+    import utils
+
+    ctx = init_distributed_mode("cpu", spawn_rank=rank, spawn_world_size=world_size)
+    reads = []
+    real = utils.read_split_data
+    utils.read_split_data = lambda *args, **kwargs: reads.append(1) or real(*args, **kwargs)
+    try:
+        split = utils.read_data(data, ctx)
+        seen = {"reads": len(reads), "train": list(split.train_images_path)}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
     finally:
         cleanup()

@@ -1,8 +1,10 @@
-"""The README's "Change it", done as a reader would: each recipe applied to a copy of the repository, then
-its commands run there. A recipe whose diff no longer applies, or whose run fails, fails here."""
+"""docs/change-it.md, done as a reader would: each recipe's diffs applied to a fresh copy of the repository, then
+its commands run there exactly as written, on the built-in demo data unless the recipe names other data. A
+recipe whose diff no longer applies, or whose run fails, fails here."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import json
 import re
@@ -14,31 +16,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, make_image_folder, run, script_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.docs]
 
-README = (REPO / "README.md").read_text()
-CHANGE_IT = re.search(r"^## Change it\n(.*?)^## ", README, flags=re.DOTALL | re.MULTILINE).group(1)
-RECIPES = dict(re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", CHANGE_IT, flags=re.DOTALL | re.MULTILINE))
-# The recipes' runs made tiny; --model stays the recipe's own.
-TINY = ["--image-size", "32", "--batch-size", "4", "--epochs", "2", "--workers", "0", "--device", "cpu"]
-LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache")
+PAGE = (REPO / "docs" / "change-it.md").read_text()
+RECIPES = dict(re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", PAGE, flags=re.DOTALL | re.MULTILINE))
+LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache", "build")
+# What a recipe's command may start with, as a user types it, and what runs it here.
+PROGRAMS = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+# The one command not run here, and why.
+NOT_RUN = {"pip install -e .": "tests/test_core.py builds the engine's wheel and trains the example with it"}
 
 
 def blocks(recipe: str, language: str) -> list[str]:
     return re.findall(rf"^```{language}\n(.*?)^```", RECIPES[recipe], flags=re.DOTALL | re.MULTILINE)
 
 
-def commands(recipe: str) -> list[list[str]]:
-    return [shlex.split(line) for block in blocks(recipe, "bash") for line in block.replace("\\\n", " ").splitlines()
-            if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_image_folder(tmp_path_factory.mktemp("change_it") / "images", {"red": 10, "green": 10, "blue": 10})
+def commands(recipe: str) -> list[str]:
+    return [line for block in blocks(recipe, "bash") for line in block.splitlines() if line.strip()]
 
 
 def copy_of_the_repository(folder: Path) -> Path:
@@ -52,60 +50,134 @@ def apply(recipe: str, copy: Path) -> None:
         patch.write_text(diff)
         applied = subprocess.run(["git", "apply", "--verbose", str(patch)], cwd=copy, capture_output=True, text=True)
         assert applied.returncode == 0, f"{recipe}: its diff no longer applies\n{applied.stderr}"
+        patch.unlink()
 
 
-def run_recipe(recipe: str, copy: Path, images: Path) -> list[subprocess.CompletedProcess]:
-    """Each command of the recipe, in the copy, on the small image folder, with tiny sizes."""
+def run_recipe(recipe: str, copy: Path) -> list[subprocess.CompletedProcess]:
+    """The recipe's commands, in the copy, as written; the engine importable as `pip install -e .` makes it."""
     results = []
-    for words in commands(recipe):
-        program = [sys.executable] if words[0] == "python" else [sys.executable, "-m", "torch.distributed.run"]
-        data = [] if "--data-path" in words else ["--data-path", str(images)]
-        result = run([*program, *words[1:], *data, *TINY], cwd=copy, env=script_env(), timeout=240)
-        assert result.returncode == 0, f"{recipe}: {shlex.join(words)}\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
+    for command in commands(recipe):
+        if command in NOT_RUN:
+            continue
+        words = shlex.split(command)
+        result = run([*PROGRAMS[words[0]], *words[1:]], cwd=copy, env=script_env(PYTHONPATH=str(copy)), timeout=240)
+        assert result.returncode == 0, f"{recipe}: {command}\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
         results.append(result)
     return results
+
+
+def recipe_in_a_copy(recipe: str, tmp_path: Path) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    copy = copy_of_the_repository(tmp_path / "repo")
+    apply(recipe, copy)
+    return copy, run_recipe(recipe, copy)
 
 
 def metrics(run_folder: Path) -> list[dict]:
     return [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_readme_has_each_recipe() -> None:
-    assert list(RECIPES) == ["Your own model", "Your own data source", "The optimizer and the schedule",
-                             "A metric of your own", "A minimal version to teach from"]
+def test_the_page_has_each_recipe_and_the_table_names_each() -> None:
+    assert list(RECIPES) == ["Your own model", "Your own data source", "A folder split already", "A loss of your own",
+                             "MixUp and CutMix", "An augmentation of your own", "Freeze the body, then train it all",
+                             "The best weights by another figure", "The optimizer and the schedule",
+                             "A figure of every step", "A metric of your own", "The engine in a script of your own",
+                             "A minimal version to teach from"]
+    for recipe in RECIPES:
+        assert f"[{recipe.lower()}](#" in PAGE, f"the table of docs/change-it.md does not name {recipe!r}"
 
 
-def test_your_own_model(tmp_path: Path, images: Path) -> None:
-    copy = copy_of_the_repository(tmp_path / "repo")
-    apply("Your own model", copy)
-    run_recipe("Your own model", copy, images)
+def test_your_own_model(tmp_path: Path) -> None:
+    copy, _ = recipe_in_a_copy("Your own model", tmp_path)
     weights = torch.load(copy / "runs" / "mycnn" / "weights" / "best.pth", weights_only=True)
-    assert "classifier.weight" in weights and weights["classifier.weight"].shape == (3, 128)
+    assert weights["classifier.weight"].shape == (5, 128), "the demo data's 5 classes"
 
 
-def test_your_own_data_source(tmp_path: Path, images: Path) -> None:
-    """Rows of a CSV instead of class folders; the split record and the resume keep working."""
+def test_your_own_data_source(tmp_path: Path) -> None:
+    """Rows of a CSV instead of class folders; the split record and the resume keep working, and the second
+    command trains on from where the first ended."""
     copy = copy_of_the_repository(tmp_path / "repo")
     apply("Your own data source", copy)
-    (copy / "data").mkdir()
+    images = make_image_folder(copy / "data" / "images", {"red": 10, "green": 10, "blue": 10})
     with open(copy / "data" / "photos.csv", "w", newline="") as file:
         rows = csv.writer(file)
         rows.writerow(["image", "label"])
         for path in sorted(images.rglob("*.*")):
-            rows.writerow([str(path), f"colour_{path.parent.name}"])
-    _first, resumed = run_recipe("Your own data source", copy, images)
+            rows.writerow([str(path.relative_to(copy / "data")), f"colour_{path.parent.name}"])
+    _first, resumed = run_recipe("Your own data source", copy)
     out = copy / "runs" / "csv"
     split = json.loads((out / "split.json").read_text())
     assert split["class_names"] == ["colour_blue", "colour_green", "colour_red"]
     assert len(split["train"]) == 24 and len(split["val"]) == 6
     assert "Resuming from" in resumed.stdout
-    assert [line["epoch"] for line in metrics(out)] == [0, 1]
+    assert [line["epoch"] for line in metrics(out)] == [0, 1, 2, 3]
 
 
-def test_the_optimizer_and_the_schedule(tmp_path: Path, images: Path) -> None:
+def test_a_folder_split_already(tmp_path: Path) -> None:
+    """train/ and val/: the run validates on val/ alone and never trains on it."""
     copy = copy_of_the_repository(tmp_path / "repo")
-    apply("The optimizer and the schedule", copy)
-    run_recipe("The optimizer and the schedule", copy, images)
+    root = copy / "data" / "split_photos"
+    make_image_folder(root / "train", {"cat": 12, "dog": 12})
+    make_image_folder(root / "val", {"cat": 3, "dog": 4})
+    (result,) = run_recipe("A folder split already", copy)
+    assert "24 images for training, 7 for validation (its train/ and val/ folders)" in result.stdout
+    split = json.loads((copy / "runs" / "presplit" / "split.json").read_text())
+    assert all(path.startswith("val/") for path in split["val"]) and len(split["val"]) == 7
+    assert all(path.startswith("train/") for path in split["train"])
+    assert metrics(copy / "runs" / "presplit")[0]["val_total"] == 7
+
+
+def test_a_loss_of_your_own(tmp_path: Path) -> None:
+    """The focal loss trains and validates: its val_loss is below the cross-entropy of the same weights on the
+    same images (the focal weight is at most 1), which --eval-only of the unchanged script gives."""
+    copy, _ = recipe_in_a_copy("A loss of your own", tmp_path)
+    out = copy / "runs" / "focal"
+    best = max(metrics(out), key=lambda line: (line["val_acc"], line["epoch"]))
+    plain = run([sys.executable, str(REPO / "train_single_gpu.py"), "--output-dir", str(out), "--model", "resnet18",
+                 "--eval-only", "--data-path", str(copy / "data" / "demo_patterns")], cwd=copy, timeout=240)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    cross_entropy = json.loads(plain.stdout.splitlines()[-1])
+    assert cross_entropy["val_correct"] == best["val_correct"]
+    assert best["val_loss"] < cross_entropy["val_loss"]
+
+
+def test_mixup_and_cutmix(tmp_path: Path) -> None:
+    copy = copy_of_the_repository(tmp_path / "repo")
+    _first, resumed = run_recipe("MixUp and CutMix", copy)
+    assert "Resuming from" in resumed.stdout
+    lines = metrics(copy / "runs" / "mix")
+    assert [line["epoch"] for line in lines] == [0, 1] and lines[-1]["world_size"] == 2
+
+
+def test_an_augmentation_of_your_own(tmp_path: Path) -> None:
+    copy, _ = recipe_in_a_copy("An augmentation of your own", tmp_path)
+    assert "TrivialAugmentWide" in (copy / "my_dataset.py").read_text()
+    assert [line["epoch"] for line in metrics(copy / "runs" / "augment")] == [0]
+
+
+def test_freeze_the_body_then_train_it_all(tmp_path: Path) -> None:
+    """Under DDP: in epoch 0 only the classifier moved; from epoch 1 every layer does."""
+    copy, _ = recipe_in_a_copy("Freeze the body, then train it all", tmp_path)
+    base = torch.load(copy / "runs" / "base" / "weights" / "best.pth", weights_only=True)
+    after = [torch.load(copy / "runs" / "finetune" / "weights" / f"model-{epoch}.pth", weights_only=True)
+             for epoch in (0, 1)]
+    assert torch.equal(after[0]["conv1.weight"], base["conv1.weight"]), "the body frozen in epoch 0"
+    assert not torch.equal(after[0]["fc.weight"], base["fc.weight"]), "the classifier trained"
+    assert not torch.equal(after[1]["conv1.weight"], base["conv1.weight"]), "every layer trains from epoch 1"
+    assert metrics(copy / "runs" / "finetune")[0]["world_size"] == 2
+
+
+def test_the_best_weights_by_another_figure(tmp_path: Path) -> None:
+    copy, _ = recipe_in_a_copy("The best weights by another figure", tmp_path)
+    out = copy / "runs" / "by_loss"
+    lowest = min(metrics(out), key=lambda line: (line["val_loss"], -line["epoch"]))["epoch"]
+    best = torch.load(out / "weights" / "best.pth", weights_only=True)
+    epoch = torch.load(out / "weights" / f"model-{lowest}.pth", weights_only=True)
+    assert all(torch.equal(best[name], epoch[name]) for name in best)
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["best"]["metric"] == "val_loss"
+
+
+def test_the_optimizer_and_the_schedule(tmp_path: Path) -> None:
+    copy, _ = recipe_in_a_copy("The optimizer and the schedule", tmp_path)
     adamw = torch.load(copy / "runs" / "adamw" / "checkpoint.pth", weights_only=True)
     assert [group["weight_decay"] for group in adamw["optimizer"]["param_groups"]] == [0.05, 0.0]
     assert "exp_avg" in next(iter(adamw["optimizer"]["state"].values())), "AdamW's own state"
@@ -113,57 +185,72 @@ def test_the_optimizer_and_the_schedule(tmp_path: Path, images: Path) -> None:
     assert "square_avg" in next(iter(rmsprop["optimizer"]["state"].values()))
 
 
-def test_a_metric_of_your_own(tmp_path: Path, images: Path) -> None:
+def test_a_figure_of_every_step(tmp_path: Path) -> None:
+    copy, _ = recipe_in_a_copy("A figure of every step", tmp_path)
+    events = EventAccumulator(str(copy / "runs" / "norms" / "tensorboard"))
+    events.Reload()
+    norms = events.Scalars("step/grad_norm")
+    assert [point.step for point in norms] == [10] and norms[0].value > 0
+
+
+def test_a_metric_of_your_own(tmp_path: Path) -> None:
     """Top-5 accuracy: in metrics.jsonl and TensorBoard after two processes trained, and in --eval-only's JSON
     the same on two processes as on one."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    copy = copy_of_the_repository(tmp_path / "repo")
-    apply("A metric of your own", copy)
-    run_recipe("A metric of your own", copy, images)
+    copy, _ = recipe_in_a_copy("A metric of your own", tmp_path)
     out = copy / "runs" / "top5"
-    line = metrics(out)[-1]
-    assert line["world_size"] == 2 and line["val_top5_acc"] == 1.0, "3 classes: the true one is always in the top 5"
+    assert metrics(out)[-1]["world_size"] == 2 and 0 < metrics(out)[-1]["val_top5_acc"] <= 1.0
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
     assert "val_top5_acc" in events.Tags()["scalars"]
-    launch = [str(copy / "train_multi_gpu_using_launch.py"), "--data-path", str(images), "--output-dir", str(out),
-              *TINY, "--eval-only"]
+    launch = [str(copy / "train_multi_gpu_using_launch.py"), "--output-dir", str(out), "--model", "resnet18",
+              "--eval-only"]
     one = run([sys.executable, *launch], cwd=copy, timeout=240)
-    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *launch],
-              cwd=copy, timeout=240)
+    two = run([*PROGRAMS["torchrun"], "--standalone", "--nproc_per_node=2", *launch], cwd=copy, timeout=240)
     figures = [json.loads(result.stdout.strip().splitlines()[-1]) for result in (one, two)]
-    assert figures[0]["val_top5_acc"] == figures[1]["val_top5_acc"] == 1.0
+    assert figures[0]["val_top5_acc"] == figures[1]["val_top5_acc"] == metrics(out)[-1]["val_top5_acc"]
     assert figures[0]["val_correct"] == figures[1]["val_correct"]
 
 
-def test_a_minimal_version_to_teach_from_trains_under_every_launcher(tmp_path: Path, images: Path) -> None:
-    """The features deleted, their modules and the lines that name them: each launcher still trains, and what
-    the features wrote is not written."""
+def test_the_engine_in_a_script_of_your_own(tmp_path: Path) -> None:
+    copy, results = recipe_in_a_copy("The engine in a script of your own", tmp_path)
+    assert all(re.search(r"validation: \d+ of 128 right", result.stdout) for result in results)
+    assert not (copy / "runs").exists() and not (copy / "output").exists(), "no run folder"
+
+
+def test_a_minimal_version_to_teach_from_trains_under_every_launcher(tmp_path: Path) -> None:
+    """The optional features deleted, their modules and the lines that import them: each launcher still trains,
+    and nothing left imports them."""
     copy = copy_of_the_repository(tmp_path / "repo")
     (removal,) = blocks("A minimal version to teach from", "bash")
     removed = [Path(word) for word in shlex.split(removal)[1:]]
     for module in removed:
         (copy / module).unlink()
-    wiring = {"features.py": ["ModelEma", "StopAtStep", "PeriodicCheckpoints", "TensorBoardLog"],
-              "data.py": ["gpu_training_set"]}
-    for name, words in wiring.items():
-        path = copy / "multi_train_utils" / name
-        kept = [line for line in path.read_text().splitlines(True) if not any(word in line for word in words)]
-        path.write_text("".join(kept))
-    assert not any((copy / module).exists() for module in removed)
-    imports = re.compile(r"^\s*(from|import) .*\b(ema|preemption|periodic_checkpoints|tensorboard_log|gpu_decode)\b")
+    names = {module.stem for module in removed}
+    for path in (copy / "multi_train_utils" / "fit.py", copy / "my_dataset.py"):
+        remove_blocks_importing(path, names)
     leftovers = [f"{path.relative_to(copy)}: {line.strip()}" for path in copy.rglob("*.py")
-                 if "tests" not in path.parts and "bench" not in path.parts
-                 for line in path.read_text().splitlines() if imports.match(line)]
+                 if not {"tests", "bench"} & set(path.relative_to(copy).parts)
+                 for line in path.read_text().splitlines()
+                 if re.match(rf"^\s*(from|import) .*\b({'|'.join(names)})\b", line)]
     assert leftovers == [], "still wired"
-    flags = ["--data-path", str(images), *TINY]
+    two = ["--standalone", "--nproc_per_node=2"]
     starts = {"single": [sys.executable, "train_single_gpu.py"],
-              "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "train_multi_gpu_using_launch.py"],
+              "torchrun": [*PROGRAMS["torchrun"], *two, "train_multi_gpu_using_launch.py"],
               "spawn": [sys.executable, "train_multi_gpu_using_spawn.py", "--world-size", "2"]}
     for launcher, start in starts.items():
-        result = run([*start, *flags, "--output-dir", f"runs/{launcher}"], cwd=copy, timeout=240)
+        result = run([*start, "--model", "resnet18", "--epochs", "1", "--output-dir", f"runs/{launcher}"], cwd=copy,
+                     timeout=240)
         assert result.returncode == 0, f"{launcher}\n{result.stderr[-3000:]}"
-        assert [line["epoch"] for line in metrics(copy / "runs" / launcher)] == [0, 1]
-        assert not (copy / "runs" / launcher / "tensorboard").exists()
+        assert [line["epoch"] for line in metrics(copy / "runs" / launcher)] == [0]
+
+
+def remove_blocks_importing(path: Path, modules: set[str]) -> None:
+    """Delete each `if` block of `path` whose body imports one of `modules` (what the recipe asks for)."""
+    text = path.read_text()
+    lines = text.splitlines(keepends=True)
+    doomed = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.If) and any(isinstance(inner, ast.ImportFrom) and inner.module.split(".")[-1] in modules
+                                            for inner in ast.walk(node)):
+            doomed |= set(range(node.lineno - 1, node.end_lineno))
+    path.write_text("".join(line for index, line in enumerate(lines) if index not in doomed))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,3 +172,71 @@ def test_demo_data_is_written_once_and_deterministically(tmp_path: Path) -> None
     split = read_split_data(target)
     assert split.class_names == list(demo_data.CLASSES)
     assert {Path(p).suffix for p in split.train_images_path + split.val_images_path} == {".jpg", ".png"}
+
+
+# ---- ImageNet's layout and size -------------------------------------------------------------------------------
+
+def test_train_and_val_folders_are_the_split_and_nothing_of_val_is_trained_on(tmp_path: Path) -> None:
+    root = tmp_path / "imagenet"
+    make_image_folder(root / "train", {"n01": 8, "n02": 6})
+    make_image_folder(root / "val", {"n01": 2, "n02": 3})
+    (root / "test").mkdir()  # left alone, as torchvision's references leave it
+    split = read_split_data(root)
+    assert split.layout == "folders" and split.class_names == ["n01", "n02"]
+    assert sorted(Path(p).relative_to(root).parts[0] for p in split.val_images_path) == ["val"] * 5
+    assert all(Path(p).relative_to(root).parts[0] == "train" for p in split.train_images_path)
+    assert split.val_images_label == [0, 0, 1, 1, 1] and len(split.train_images_path) == 14
+    assert read_split_data(root, seed=5) == split, "no random draw: the folders are the split"
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    ({"train": {"a": 3, "b": 3}}, "either train/ and val/ folders of class sub-folders"),
+    ({"train": {"a": 3}, "val": {"a": 1}, "cats": {"x": 2}}, "holds cats, train, val: either train/ and val/"),
+    ({"train": {"a": 3, "b": 3}, "val": {"a": 1, "c": 1}}, "train/ and val/ hold other classes (2 in one only, such"),
+])
+def test_half_a_split_layout_is_one_line(tmp_path: Path, layout: dict, message: str) -> None:
+    root = tmp_path / "data"
+    for folder, classes in layout.items():
+        make_image_folder(root / folder, classes)
+    with pytest.raises(UserInputError, match=re.escape(message)) as caught:
+        read_split_data(root)
+    assert str(root) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_split_takes_one_pass_and_keeps_exact_counts_at_many_classes(tmp_path: Path) -> None:
+    """Split per class in one pass over the samples (not once per class over all of them): a million samples
+    of 1000 classes in well under the time one pass per class would take."""
+    import time
+
+    from utils import Samples, split_samples
+
+    labels = np.repeat(np.arange(1000), 1000)
+    samples = Samples([f"c{label}/{index}.JPEG" for index, label in enumerate(labels.tolist())], labels, [
+        f"c{label}" for label in range(1000)])
+    started = time.perf_counter()
+    split = split_samples(samples, seed=0)
+    assert time.perf_counter() - started < 30
+    assert len(split.val_images_path) == 1000 * 200 and np.bincount(split.val_images_label).tolist() == [200] * 1000
+
+
+def test_a_checkpoints_record_of_the_split_does_not_grow_with_the_files(tmp_path: Path) -> None:
+    import pickle as pickling
+
+    from utils import Samples, split_samples
+
+    def record(count: int) -> bytes:
+        labels = np.arange(count) % 10
+        return pickling.dumps(split_samples(Samples([f"{i}.jpg" for i in range(count)], labels,
+                                                    [str(c) for c in range(10)])).record)
+
+    assert abs(len(record(100)) - len(record(100_000))) <= 8 and len(record(100_000)) < 2000, "the counts alone grow"
+
+
+def test_paths_are_one_array_that_a_loader_worker_shares(tmp_path: Path) -> None:
+    from my_dataset import Paths
+
+    paths = Paths(["a/1.jpg", "b/ü.jpg"], root="/data")
+    assert isinstance(paths.array, np.ndarray) and paths[1] == "/data/b/ü.jpg" and list(paths) == [
+        "/data/a/1.jpg", "/data/b/ü.jpg"]
+    assert (paths + paths)[3] == "/data/b/ü.jpg" and paths.relative() == ["a/1.jpg", "b/ü.jpg"]
+    assert pickle.loads(pickle.dumps(paths)) == paths

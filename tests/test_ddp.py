@@ -149,3 +149,16 @@ def test_validation_shards_cover_every_image_once() -> None:
             assert [len(UnpaddedDistributedSampler(count, world_size, r)) for r in range(world_size)] == [
                 len(s) for s in shards]
 
+
+
+@pytest.mark.slow
+def test_one_rank_reads_the_folder_and_every_rank_gets_its_split(image_folder: Path, tmp_path: Path,
+                                                                  rendezvous: None) -> None:
+    """At 1.28 million files, N processes listing the same tree cost N times the start-up (and the file system's
+    time): rank 0 reads it, and the others receive its split."""
+    import json
+
+    mp.spawn(ddp_workers.listing_worker, args=(3, str(image_folder), str(tmp_path)), nprocs=3)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
+    assert [rank["reads"] for rank in ranks] == [1, 0, 0]
+    assert ranks[0]["train"] == ranks[1]["train"] == ranks[2]["train"] and len(ranks[0]["train"]) == 24

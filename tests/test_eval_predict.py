@@ -81,8 +81,8 @@ def test_predict_agrees_with_the_evaluation_on_the_same_files(trained: tuple[Pat
     result = run([python(), str(REPO / "predict.py"), "--run", str(out), "--json", "--top-k", "2",
                   *images, str(broken)], timeout=120)
     assert result.returncode == 1, "a file could not be read"
-    assert result.stderr.strip() == (f"error: cannot read image {broken}: not an image Pillow reads (damaged, cut "
-                                     "short, or another kind of file)"), "the file named once"
+    assert result.stderr.strip() == (f"error: cannot read image {broken}: not an image (damaged, cut short, or "
+                                     "another kind of file)"), "the file named once"
     predictions = [json.loads(line) for line in result.stdout.splitlines()]
     assert [p["image"] for p in predictions] == images, "every readable file, in order"
     assert all(len(p["top"]) == 2 and p["top"][0]["probability"] >= p["top"][1]["probability"] for p in predictions)

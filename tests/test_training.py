@@ -95,16 +95,16 @@ def test_a_messy_folder_trains(tmp_path: Path) -> None:
 
 
 def code_of(script: str) -> list[str]:
-    """The lines of a script after its docstring (which says how to start it)."""
-    text = (REPO / script).read_text()
-    return text[text.index('"""', 3) + 3:].splitlines()
+    """A script's functions (its docstring says how to start it; its imports follow from its code)."""
+    lines = (REPO / script).read_text().splitlines()
+    return lines[next(i for i, line in enumerate(lines) if line.startswith("def ")):]
 
 
 def test_the_two_multi_process_scripts_differ_only_in_how_they_start() -> None:
     launch, spawn = code_of("train_multi_gpu_using_launch.py"), code_of("train_multi_gpu_using_spawn.py")
     changed = [line for line in difflib.unified_diff(launch, spawn, lineterm="", n=0)
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
-    assert len(changed) <= 25, "\n".join(changed)
+    assert len(changed) <= 20, "\n".join(changed)
     train = slice(launch.index("def train(args: argparse.Namespace, ctx: DistContext) -> None:"), None)
     assert launch[train][:-3] == spawn[spawn.index(launch[train][0]):][:-3], "train() must be the same"
 
