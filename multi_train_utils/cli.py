@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal, NoReturn
 
-from .checkpoint import BEST_METRICS
+from .checkpoint import BEST_METRICS, trained_image_size
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
 from .errors import UserInputError
 from .files import check_readable_file
@@ -139,7 +139,7 @@ FLAGS = {
                         "folders of class sub-folders); without it, the built-in demo data"),
     "--num_classes": dict(type=at_least(2), default=None, help="number of classes (default: from the data)"),
     "--image-size": dict(type=at_least(16, MAX_IMAGE_SIZE), default=None, help="side of the square training crop "
-                         f"in pixels {on_the_demo_data('image_size')}"),
+                         f"in pixels {on_the_demo_data('image_size')[:-1]}; a resumed or validated run keeps its own)"),
     "--workers": dict(type=at_least(0, WORKERS_PER_CPU * usable_cpus()), default=None, help="data-loader processes "
                       "per training process (default on GPUs: this process's share of the CPUs it may use, less "
                       "one, at most 16; on CPUs: a quarter of that share, at most 4, so none on small CPUs)"),
@@ -259,6 +259,9 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
     """Parse the flags and fill in the defaults that depend on whether the demo data is used."""
     parser = get_args_parser(launcher)
     args = parser.parse_args(argv)
+    if args.image_size is None and (args.resume or args.eval_only):
+        # the run goes on (or is validated) at the size it trained at, whichever data it is given now
+        args.image_size = trained_image_size(args.resume or "auto", args.output_dir)
     defaults = DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:

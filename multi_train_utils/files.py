@@ -110,7 +110,7 @@ def load_file(path: Path, flag: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if "Unsupported global" not in str(err):
+        if "unsupported global" not in str(err).lower():
             raise UserInputError(f"{flag} {path}: not a PyTorch file (damaged, cut short, or another kind of file)"
                                  ) from None
         raise UserInputError(f"{flag} {path}: holds Python objects besides tensors, which are not loaded because "
