@@ -5,8 +5,8 @@
 Contestants: this project under torchrun; a plain DDP script (bench/peers/plain_ddp.py); Lightning's Trainer
 and Hugging Face Accelerate (bench/peers/), each only where it is installed. The job: ResNet-18 from scratch,
 --nproc processes on gloo, --workers data-loader workers each, one thread each, the project's own split of
-photo-sized JPEGs (bench/benchmark.py's folder unless --data-path names one). Each round starts every
-contestant once, fresh, in turn; each figure is the median over the rounds:
+photo-sized JPEGs (bench/benchmark.py's folder, each photo --copies times, unless --data-path names one).
+Each round starts every contestant once, fresh, in turn; each figure is the median over the rounds:
 
   wall_s            from starting the command to its end
   cpu_s             CPU seconds of every process it started
@@ -25,6 +25,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = parser.add_argument
-    add("--data-path", default=None, help="a folder of class folders (default: bench/benchmark.py's photos)")
+    add("--data-path", default=None, help="a folder of class folders (default: bench/benchmark.py's photos, "
+        "--copies times)")
+    add("--copies", type=int, default=4, help="without --data-path: each photo this many times (hard links), "
+        "so that an epoch is long enough to time")
     add("--nproc", type=int, default=2)
     add("--workers", type=int, default=2, help="data-loader workers per process")
     add("--epochs", type=int, default=2)
@@ -91,6 +95,26 @@ def write_job(args: argparse.Namespace, folder: Path) -> Path:
     path = folder / "job.json"
     path.write_text(json.dumps(job))
     return path
+
+
+def photos_times(photos: Path, copies: int) -> Path:
+    """A folder with each of `photos` `copies` times, as hard links (copies where links cannot be made)."""
+    if copies == 1:
+        return photos
+    folder = photos.with_name(f"{photos.name}_x{copies}")
+    if (folder / ".complete").is_file():
+        return folder
+    for source in sorted(photos.glob("*/*.jpg")):
+        (folder / source.parent.name).mkdir(parents=True, exist_ok=True)
+        for copy in range(copies):
+            target = folder / source.parent.name / f"{source.stem}_{copy}.jpg"
+            if not target.exists():
+                try:
+                    os.link(source, target)
+                except OSError:
+                    shutil.copyfile(source, target)
+    (folder / ".complete").touch()
+    return folder
 
 
 def timed_run(command: list[str], env: dict[str, str]) -> dict:
@@ -145,7 +169,7 @@ def median_figures(rounds: list[dict]) -> dict:
 
 def main() -> None:
     args = get_args_parser().parse_args()
-    args.data_path = Path(args.data_path or ensure_photo_folder()).resolve()
+    args.data_path = Path(args.data_path or photos_times(ensure_photo_folder(), args.copies)).resolve()
     # One thread per process for every contestant, as the project itself chooses on 2 cores with 2 processes.
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.nproc)),
            "PYTHONPATH": str(PEERS)}

@@ -5,6 +5,7 @@ name)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -306,8 +307,9 @@ def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
     step where every rank stopped), every `finally` clean-up first."""
     rank, under_a_launcher = 0, False
     if launcher == "launch":  # this process may be any rank of a launcher's job, and the launcher may die first
-        launch = detect_launch(os.environ)
-        rank, under_a_launcher = launch.rank, launch.source != "single"
+        with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too
+            launch = detect_launch(os.environ)
+            rank, under_a_launcher = launch.rank, launch.source != "single"
     with ends_in_one_line(rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
         ending.output_dir = args.output_dir  # the stop line names the run's last checkpoint

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from .errors import UserInputError, report
+from .errors import UserInputError, report, signals_end_the_wait
 from .versions import abort_process_group, uncompiled
 
 # SLURM gives no port; every job on a node needs its own, so derive one from the job id.
@@ -58,28 +58,43 @@ def detect_launch(env: Mapping[str, str], spawn_rank: int | None = None,
         if spawn_world_size is None:
             raise ValueError("spawn_world_size is needed with spawn_rank")
         return Launch(spawn_rank, spawn_rank, spawn_world_size, spawn_world_size, "spawn")
+    if ("RANK" in env) != ("WORLD_SIZE" in env):
+        # A launcher that lost one of the two would start N processes that each train alone, into one folder.
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+        raise UserInputError(f"{given}={env[given]} is set but {missing} is not: a launcher sets both (torchrun "
+                             f"does); set {missing} too, or unset {given} to train in one process")
     if "RANK" in env and "WORLD_SIZE" in env:
         # torchrun also says how many of the processes share this machine. Whoever sets RANK and WORLD_SIZE
         # alone (a cluster operator that starts one process per container) starts one per machine.
-        return Launch(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]),
-                      int(env.get("LOCAL_WORLD_SIZE", 1)), "torchrun")
+        return Launch(env_number(env, "RANK"), env_number(env, "LOCAL_RANK", 0), env_number(env, "WORLD_SIZE"),
+                      env_number(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
         # Only srun sets SLURM_STEP_NUM_TASKS. A batch script or an salloc shell also has SLURM_PROCID=0
         # and the allocation's SLURM_NTASKS, but no other tasks will come: there we run as one process.
-        world_size = int(env["SLURM_STEP_NUM_TASKS"])
-        nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", 1)))
-        job_id = int(env.get("SLURM_JOB_ID", 0))
+        world_size = env_number(env, "SLURM_STEP_NUM_TASKS")
+        nodes = env_number(env, "SLURM_STEP_NUM_NODES", env_number(env, "SLURM_NNODES", 1))
+        job_id = env_number(env, "SLURM_JOB_ID", 0)
         node_list = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST")))
         return Launch(
-            rank=int(env["SLURM_PROCID"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            rank=env_number(env, "SLURM_PROCID"),
+            local_rank=env_number(env, "SLURM_LOCALID", 0),
             world_size=world_size,
             local_world_size=max(1, world_size // max(1, nodes)),
             source="slurm",
             master_addr=env.get("MASTER_ADDR") or (first_host(node_list) if node_list else "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE)),
+            master_port=env_number(env, "MASTER_PORT", SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE),
         )
     return Launch(0, 0, 1, 1, "single")
+
+
+def env_number(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    """A launcher's variable that must be a whole number 0 or more; `default` where it is not set."""
+    if name not in env and default is not None:
+        return default
+    value = env[name]
+    if not value.strip().isdigit():
+        raise UserInputError(f"{name}={value}: a launcher's variable that must be a whole number (0 or more)")
+    return int(value)
 
 
 def first_host(node_list: str) -> str:
@@ -224,20 +239,51 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
         os.environ.setdefault("MASTER_PORT", str(launch.master_port))
     if not tcp_store_uses_libuv():
         os.environ.setdefault("USE_LIBUV", "0")  # read by the store init_process_group makes for env://
+    if dist_url == "env://":  # set by every launcher; by hand, with RANK and WORLD_SIZE, easily forgotten
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not os.environ.get(name):
+                raise UserInputError(f"{name} is not set: the processes meet at MASTER_ADDR:MASTER_PORT (rank 0's "
+                                     "address and a free port), which a launcher such as torchrun sets")
+        env_number(os.environ, "MASTER_PORT")
     backend = process_group_backend(ctx.device)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
-        dist.init_process_group(
-            backend=backend, init_method=None if store else dist_url, store=store, world_size=ctx.world_size,
-            rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
-        )
+        with signals_end_the_wait(ctx.rank, "while the processes were meeting"):
+            store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
+            dist.init_process_group(
+                backend=backend, init_method=None if store else dist_url, store=store, world_size=ctx.world_size,
+                rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
+            )
     except RuntimeError as err:
-        if not port_was_taken(err):
+        if port_was_taken(err):
+            raise UserInputError(port_taken_line(os.environ.get("MASTER_PORT"))) from None
+        missing = processes_missing_line(err, ctx, timeout_s)
+        if missing is None:
             raise
-        raise UserInputError(port_taken_line(os.environ.get("MASTER_PORT"))) from None
+        raise GroupNotFormedError(missing) from None
     report(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
            f"local rank {ctx.local_rank}, {ctx.device}", sys.stdout)  # every rank: one write each, never run together
+
+
+class GroupNotFormedError(UserInputError):
+    """The processes never met: each says so itself, since none can count on another to (shutdown.end_run)."""
+
+
+def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: float) -> str | None:
+    """The line for a group that never formed within --dist-timeout: on rank 0, how many of the processes
+    came (the store counts them); on the others, that rank 0's address did not answer. None for other
+    errors."""
+    message, address = str(err), f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    joined = re.search(r"(\d+)/(\d+) clients joined", message)
+    if joined:
+        return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
+                f"{timeout_s:g} s (WORLD_SIZE={ctx.world_size}): start every rank (torchrun --nproc_per_node "
+                f"starts them all), or check that the other machines reach MASTER_ADDR:MASTER_PORT {address}")
+    if re.search(r"failed to connect|connection refused|timed out|timeout", message, re.IGNORECASE):
+        return (f"rank {ctx.rank} could not reach rank 0's MASTER_ADDR:MASTER_PORT {address} within "
+                f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
+                "(not 127.0.0.1 from another machine)?")
+    return None
 
 
 def process_context(launch: Launch, device: str | None) -> DistContext:

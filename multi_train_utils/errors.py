@@ -4,13 +4,16 @@ import this before anything slow (torch)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TextIO
 
 from .versions import OLDEST_TORCH, OLDEST_TORCHVISION, dotted
@@ -117,6 +120,45 @@ def hold_back_ctrl_c(held: bool) -> None:
     signal masks (Windows), nothing."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK if held else signal.SIG_UNBLOCK, [signal.SIGINT])
+
+
+@contextlib.contextmanager
+def signals_end_the_wait(rank: int, moment: str) -> Iterator[None]:
+    """Ctrl-C and the stop signals end the process at once, with one line from rank 0, while the block waits
+    inside C++ for other processes (nothing is written yet): such a wait returns to Python only when it
+    ends, after --dist-timeout, and a signal that interrupts it only makes it print a page of C++ frames and
+    try again. The main thread holds the signals back meanwhile; Python's own handler, in whichever thread
+    takes them, wakes a thread that ends the process."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    signals = (signal.SIGINT, *STOP_SIGNALS)
+    over = threading.Event()
+
+    def end_on_a_signal() -> None:
+        while (received := reader.recv(64)) and not over.is_set():
+            signum = next((number for number in received if number in signals), None)
+            if signum is not None:
+                if rank == 0:
+                    cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+                    report(f"Stopped by {cause} {moment}; nothing was trained")
+                os._exit(CTRL_C_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
+
+    watcher = threading.Thread(target=end_on_a_signal, name="signals-while-waiting", daemon=True)
+    watcher.start()  # before the main thread holds the signals back: this thread may take them
+    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # one that came just now: the usual way
+        signal.set_wakeup_fd(previous_fd)
+        over.set()
+        writer.close()
+        watcher.join()
+        reader.close()
 
 
 def release(version: str) -> tuple[int, int]:

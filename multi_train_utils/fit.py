@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 from .checkpoint import Checkpointer
 from .confusion import class_figures
+from .data import workers_ended
 from .distributed_utils import get_world_size, print_main
 from .preemption import StopAtStep
 from .recorder import RunRecorder
@@ -25,7 +26,8 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, options: StepOptions | None = None,
         run: RunRecorder | None = None, hooks: Iterable[Hook] = ()) -> EvalResult | None:
     """Train and validate epoch after epoch, up to `epochs`; print each epoch's figures (rank 0) and return the
-    last validation result. With `run`, also write what the run keeps and continue from its saved state."""
+    last validation result. With `run`, also write what the run keeps and continue from its saved state. The
+    loaders' worker processes end when it returns, however it returns."""
     options = options or StepOptions(device.type)
     hooks, start_epoch, checkpoints = Hooks(hooks), 0, None
     if run is not None:
@@ -37,7 +39,7 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
     if start_epoch >= epochs:
         print_main(f"Nothing to train: the run has finished all {epochs} epochs (a larger --epochs trains on)")
     result = None
-    with hooks.running():
+    with hooks.running(), workers_ended(train_loader, val_loader):
         for epoch in range(start_epoch, epochs):
             train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch: without it, each repeats the first
             hooks.call("on_epoch_start", epoch)

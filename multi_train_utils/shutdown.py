@@ -7,8 +7,11 @@ all of them; no process left waiting for a partner or training on alone.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
+import multiprocessing
 import os
 import re
 import signal
@@ -22,7 +25,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
+from .distributed_utils import GroupNotFormedError, barrier, cleanup, is_dist_avail_and_initialized
 from .errors import (
     STOP_SIGNALS,
     Preempted,
@@ -60,6 +63,10 @@ def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
     own bug with its traceback. With `watch_launcher`, the process also stops if the launcher that started it
     dies."""
     listen_for_stop_signals()
+    # Python's last garbage collections, as it exits, walk every object torch and torchvision made (0.7 s on a
+    # laptop's CPU) to free memory the process is about to give back anyway; frozen, they skip them.
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     if watch_launcher:
         stop_when_launcher_dies()
     ending = Ending(output_dir)
@@ -107,8 +114,12 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     if launcher_gone() and not signalled:
         # Whatever broke (a partner gone from a collective), the launcher's end caused it.
         err, signalled = Terminated(), True
-    reason = err if signalled else stalled_rank_error(err, rank) or err
+    reason = err if signalled else collective_failure(err, rank) or err
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
+    if isinstance(reason, LostPeerError) and multiprocessing.parent_process() is not None:
+        explains = False  # the spawn script, this process's parent, names the one that died, and how
+    if isinstance(reason, GroupNotFormedError):
+        explains = True  # the processes never met: none can count on another to say it
     cleanup(failed=True)
     code = exit_code(reason)
     if not explains:
@@ -116,7 +127,7 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     if signalled:
         print(flush=True)  # the stop may have come while a progress bar drew its line, before it ended it
         report(stopped_line(reason, checkpoint))
-    elif isinstance(reason, UserInputError):
+    elif isinstance(reason, (UserInputError, LostPeerError)):
         report(f"error: {one_line(reason)}")
     elif not isinstance(reason, SystemExit):
         report(f"rank {rank} failed:\n{''.join(traceback.format_exception(reason)).rstrip()}")
@@ -193,30 +204,59 @@ class StalledRankError(UserInputError):
     """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
 
 
-def stalled_rank_error(err: BaseException, rank: int, settle_s: float = 2.0) -> StalledRankError | None:
-    """If `err` is a collective's time-out, the one-line error naming the ranks that stopped answering.
+class LostPeerError(Exception):
+    """A process of the job vanished in the middle of a collective (killed by a signal or the out-of-memory
+    killer, or its machine gone): not a mistake to fix, and not a bug of the survivor either."""
 
-    Every rank still alive is stuck in the same collective and times out at about the same moment; each
-    marks itself in the process group's key-value store, waits a moment for the others, and names the
-    ranks that never marked themselves (hung in a data loader, a deadlock, a stopped machine). With
-    NCCL, PyTorch's own watchdog ends the processes on a time-out and names the collective instead.
-    """
-    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
-    if not (isinstance(err, RuntimeError) and re.search(r"timed out|timeout", str(err), re.IGNORECASE)):
+
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+LOST_PEER = re.compile(r"reset by peer|closed by peer|broken pipe|remote process exited|ncclRemoteError",
+                       re.IGNORECASE)
+PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+
+
+def collective_failure(err: BaseException, rank: int) -> BaseException | None:
+    """If `err` is a collective that failed because another process stopped answering (a time-out) or is gone
+    (a lost connection), the one-line error that names the ranks concerned; else None."""
+    if not isinstance(err, RuntimeError):
         return None
+    message = str(err)
+    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
+    if re.search(r"timed out|timeout", message, re.IGNORECASE):
+        silent = silent_ranks(rank, "timed_out")
+        if silent is None:
+            return None
+        return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
+                                f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
+                                "answering")
+    if LOST_PEER.search(message):
+        silent = silent_ranks(rank, "lost_peer")
+        address = PEER_ADDRESS.search(message)
+        who = (f"rank(s) {', '.join(map(str, silent))}" if silent else
+               "the process that kept the job's key-value store" if silent is None else "another process")
+        where = f" (at {address.group(1)})" if address else ""
+        return LostPeerError(f"rank {rank} lost its connection to {who}{where}: that process ended without a "
+                             "word, killed by a signal (the out-of-memory killer sends SIGKILL) or gone with its "
+                             "machine; the launcher's report says how it ended")
+    return None
+
+
+def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | None:
+    """The ranks that did not answer: every rank still alive meets the same failure at about the same
+    moment, marks itself in the process group's key-value store under `mark`, and waits a moment for the
+    others; those never marked are silent (hung in a data loader, deadlocked, stopped, or dead). None if the
+    store cannot be asked (its host is gone too). With NCCL, PyTorch's own watchdog may end the processes
+    first, naming the collective instead."""
     store = reachable_store() if has_default_store() else None
     if store is None:
         return None
     try:
-        store.set(f"timed_out/{rank}", "1")
+        store.set(f"{mark}/{rank}", "1")
         time.sleep(settle_s)
-        silent = [other for other in range(dist.get_world_size()) if not store.check([f"timed_out/{other}"])]
-    except Exception:  # the store's host (rank 0) is gone too: nothing to name, the original error stands
+        return [other for other in range(dist.get_world_size()) if not store.check([f"{mark}/{other}"])]
+    except Exception:
         _Ending.store_gone = True
         return None
-    return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
-                            f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
-                            "answering")
 
 
 def launcher_gone() -> bool:

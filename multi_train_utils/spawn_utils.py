@@ -192,8 +192,9 @@ def exit_on_lost_process(err: mp.ProcessExitedException, processes: list[mp.Proc
     others end too. The job exits 2 if any process did.
     """
     if err.exit_code is not None and err.exit_code < 0:
-        report(f"error: process {err.error_index} was killed by {signal.Signals(-err.exit_code).name}; "
-               "the others were stopped")
+        name = signal.Signals(-err.exit_code).name
+        oom = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
+        report(f"error: rank {err.error_index} was killed by {name}{oom}; the others were stopped")
         sys.exit(1)
     stop_processes(processes)
     raise QuietExit(2 if 2 in (process.exitcode for process in processes) else err.exit_code or 1)

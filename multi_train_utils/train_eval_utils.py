@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from .confusion import class_figures, class_sums, per_class
+from .data import workers_ended
 from .distributed_utils import broadcast_buffers_from_main, is_main_process, print_main, reduce_sums, unwrap_model
 from .errors import UserInputError
 
@@ -32,6 +34,9 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 AMP_CHOICES = ("off", "auto", "bf16", "fp16")
 LOG_EVERY = 10  # batches between progress-bar updates; each update waits for the device
+# One process draws the bars, so a thread lock will do. tqdm's own is a multiprocessing semaphore, which a
+# process killed outright leaves behind, and the spawn script's resource tracker then warns of it.
+tqdm.set_lock(threading.RLock())
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the batch's mean loss
 BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -366,7 +371,8 @@ def evaluate_only(model: nn.Module, criterion: Criterion, val_loader: DataLoader
                   options: StepOptions, class_names: list[str]) -> EvalResult:
     """--eval-only: validate the loaded weights once and print the figures as the last line of standard
     output, one JSON object (rank 0 alone): the numbers of the epoch that saved the weights."""
-    result = evaluate(model, criterion, val_loader, device, options, len(class_names))
+    with workers_ended(val_loader):
+        result = evaluate(model, criterion, val_loader, device, options, len(class_names))
     if is_main_process():  # every class's figures, at any number of classes (a line of metrics.jsonl: up to 100)
         figures = {**result.figures(), **class_figures(result.sums, class_names),
                    "per_class": per_class(result.sums, class_names)}

@@ -43,6 +43,17 @@ def test_torchrun_variables() -> None:
     assert launch.master_addr is None  # torchrun sets MASTER_ADDR itself; we leave it alone
 
 
+@pytest.mark.parametrize(("env", "message"), [
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
+    ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set but RANK is not"),
+    ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK=one: a launcher's variable that must be a whole number"),
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "x1"}, "SLURM_JOB_ID=x1")])
+def test_a_launchers_variables_that_do_not_fit_are_refused(env: dict[str, str], message: str) -> None:
+    """Half of RANK and WORLD_SIZE would start N processes that each train alone, into one folder."""
+    with pytest.raises(UserInputError, match=message):
+        detect_launch(env)
+
+
 def test_one_process_per_container_when_only_rank_and_world_size_are_set() -> None:
     """Kubernetes' PyTorchJob without torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each
     pod: one process per pod, which must not divide the pod's CPUs by the world size or count its one GPU
@@ -330,4 +341,4 @@ def test_a_time_out_whose_store_is_gone_too_keeps_the_original_error(monkeypatch
 
     monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
-    assert shutdown.stalled_rank_error(RuntimeError("Timed out waiting 5000ms"), 1, settle_s=0) is None
+    assert shutdown.collective_failure(RuntimeError("Timed out waiting 5000ms"), 1) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -13,8 +14,19 @@ import pytest
 import torch
 
 import train_single_gpu
-from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, run_single_in_this_process, script_env, torchrun
-from multi_train_utils.cli import parse_args
+from conftest import (
+    REPO,
+    TINY_FLAGS,
+    free_port,
+    make_image_folder,
+    python,
+    run,
+    run_single_in_this_process,
+    script_env,
+    signal_once_ready,
+    torchrun,
+)
+from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.recorder import claim_folder
 
@@ -121,6 +133,83 @@ def test_a_rank_that_stops_answering_is_named_and_the_job_ends(data: Path, tmp_p
     assert time.monotonic() - started < 90, "the job must end soon after the time-out, not hang"
     one_line_error(result, "rank 0 waited longer than --dist-timeout for the other processes; rank(s) 1 stopped "
                            "answering")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("launcher", "said"), [
+    ("torchrun", "rank 0 lost its connection to rank(s) 1 (at 127.0.0.1): that process ended without a word"),
+    ("spawn", "rank 1 was killed by SIGKILL (the out-of-memory killer sends it); the others were stopped")])
+def test_a_rank_killed_outright_is_one_line_naming_it(data: Path, tmp_path: Path, launcher: str, said: str) -> None:
+    """SIGKILL, as the out-of-memory killer sends it: no clean-up, no word from the dead rank. One line names
+    it (under torchrun the survivor's, beside torchrun's own report; under spawn the script's), no traceback
+    of ours, and nothing after it: no semaphore of the dead process's progress bar left behind."""
+    env = script_env(KILL_RANK="1", KILL_EPOCH="0", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
+    result = run([*SCRIPTS[launcher], "--data-path", str(data), "--output-dir", str(tmp_path / "run"), *TINY_FLAGS,
+                  "--epochs", "2", "--workers", "1"], env=env, timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines()
+            if line.startswith('  File "') and str(REPO) in line and "site-packages" not in line]
+    assert ours == [], output[-3000:]
+    one_line_error(result, said)
+    assert "leaked" not in output and "Connection reset" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank", "said"), [
+    ("0", "only 1 of the 2 processes joined within --dist-timeout 3 s (WORLD_SIZE=2): start every rank"),
+    ("1", "rank 1 could not reach rank 0's MASTER_ADDR:MASTER_PORT 127.0.0.1:")])
+def test_a_group_that_never_forms_is_one_line_from_the_process_that_waited(data: Path, tmp_path: Path, rank: str,
+                                                                         said: str) -> None:
+    """RANK and WORLD_SIZE=2 set by hand, one process started: it says how many came, or whom it missed."""
+    env = script_env(RANK=rank, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = run([python(), str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data), "--output-dir",
+                  str(tmp_path / "run"), *TINY_FLAGS, "--dist-timeout", "3"], env=env, timeout=120)
+    assert result.returncode == 2
+    one_line_error(result, said)
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(("variables", "said"), [
+    ({"RANK": "1"}, "error: RANK=1 is set but WORLD_SIZE is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "error: MASTER_ADDR is not set")])
+def test_a_launchers_variables_by_hand_that_cannot_work_are_refused(data: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    variables: dict[str, str], said: str) -> None:
+    import train_multi_gpu_using_launch
+
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        run_cli(train_multi_gpu_using_launch.main, "launch", ["--data-path", str(data), "--output-dir",
+                                                              str(tmp_path / "run"), *TINY_FLAGS])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(said), line
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_processes_meet_ends_at_once_in_one_line(data: Path, tmp_path: Path) -> None:
+    """A wait for the other processes inside C++ does not return to Python until --dist-timeout; Ctrl-C then
+    ends it at once."""
+    port = free_port()
+    env = script_env(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code, output = signal_once_ready(
+        [python(), str(REPO / "train_multi_gpu_using_launch.py"), "--data-path", str(data), "--output-dir",
+         str(tmp_path / "run"), *TINY_FLAGS, "--dist-timeout", "300"], env, tmp_path / "log",
+        lambda job: listening(port), signal.SIGINT, settle_s=0.5)
+    assert code == 130, output
+    assert output.strip().splitlines()[-1] == "Stopped by Ctrl-C while the processes were meeting; nothing was trained"
+    assert "frame #" not in output and "Traceback" not in output, output
+
+
+def listening(port: int) -> bool:
+    """Whether some process listens on `port`, IPv4 or IPv6 (read from the kernel's tables: no connection made)."""
+    rows = [row for table in ("tcp", "tcp6") for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]]
+    return any(row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "0A" for row in rows)
 
 
 def test_a_second_run_into_a_folder_in_use_stops_in_one_line_and_writes_nothing(data: Path, tmp_path: Path) -> None:

@@ -243,3 +243,25 @@ def test_the_normalisation_constants_are_made_once_per_device() -> None:
     """Made in every step, their copy to a GPU would make the CPU wait for the GPU every step."""
     first, again = normalisation(torch.device("cpu")), normalisation(torch.device("cpu"))
     assert first[0] is again[0] and first[1] is again[1]
+
+
+def test_fit_and_eval_only_end_the_loader_workers_when_they_return(image_folder: Path) -> None:
+    """Persistent workers left to the garbage collector wait out torch's 5 s timeout each before they end; fit
+    and evaluate_only end them on return, so none is alive then, and a loader iterated again starts anew."""
+    import multiprocessing
+
+    from multi_train_utils.data import build_loaders
+    from multi_train_utils.fit import fit
+    from multi_train_utils.train_eval_utils import evaluate_only
+
+    ctx = DistContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
+    train_set, val_set = build_datasets(read_split_data(image_folder), 16)
+    train_loader, val_loader = build_loaders(train_set, val_set, 4, ctx, workers=2)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(3))
+    model(torch.zeros(1, 3, 16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    fit(model, torch.nn.CrossEntropyLoss(), optimizer, train_loader, val_loader, ctx.device, epochs=2)
+    assert multiprocessing.active_children() == [], "the workers outlived fit"
+    assert next(iter(val_loader))[0].shape[0] == 4, "iterated again, the loader starts new workers"
+    evaluate_only(model, torch.nn.CrossEntropyLoss(), val_loader, ctx.device, StepOptions("cpu"), ["a", "b", "c"])
+    assert multiprocessing.active_children() == [], "the workers outlived evaluate_only"

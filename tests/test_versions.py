@@ -130,7 +130,7 @@ def test_without_the_store_each_process_explains_and_a_time_out_stands_as_it_cam
     assert not versions.has_default_store()
     assert shutdown.first_to_stop() is True
     assert shutdown.another_process_failed() is False
-    assert shutdown.stalled_rank_error(RuntimeError("Timed out waiting 5000ms"), 1, settle_s=0) is None
+    assert shutdown.collective_failure(RuntimeError("Timed out waiting 5000ms"), 1) is None
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

@@ -3,7 +3,7 @@ workers and spawned processes alike). Each fault strikes rank <NAME>_RANK, in ep
 
 FAIL  raises at the start of the epoch
 HANG  stops answering at the start of the epoch (sleeps)
-KILL  SIGKILLs itself after one step, in the first attempt of a torchrun job only
+KILL  SIGKILLs itself after one step (under torchrun, in the first attempt of the job only)
 NAN   feeds NaN images at step 1, so its loss becomes NaN
 SIGNAL sends signal SIGNAL_NAME (TERM, USR1) when it takes batch SIGNAL_STEP (default 1), to its launcher
       if SIGNAL_TO is "launcher", else to itself: a scheduler's stop, arriving in the middle of an epoch
@@ -59,7 +59,7 @@ if any(f"{name}_RANK" in os.environ for name in ("FAIL", "HANG", "KILL", "NAN", 
             raise RuntimeError(f"failure injected on rank {get_rank()}")
         if _strikes("HANG", epoch):
             time.sleep(600)
-        if _strikes("KILL", epoch) and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        if _strikes("KILL", epoch) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             data_loader = _Altered(data_loader, _kill_at_step_1)
         if _strikes("NAN", epoch):
             data_loader = _Altered(data_loader, _nan_at_step_1)
