@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def train(args: argparse.Namespace, ctx: DistContext) -> None:
-    print_main(f"Training in {ctx.world_size} process(es) on {ctx.device.type}")
+    print_main(f"Training in {ctx.world_size} process(es) on {ctx.runs_on}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
     saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split

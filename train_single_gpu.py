@@ -30,7 +30,7 @@ from utils import read_data
 
 def main(args: argparse.Namespace) -> None:
     ctx = single_process(args.device)
-    print(f"Training in one process on {ctx.device}")
+    print(f"Training in one process on {ctx.runs_on}")
     seed_everything(args.seed)
     saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
     data = read_data(args.data_path, ctx, args.seed, args.num_classes, saved.split)

@@ -36,6 +36,7 @@ from multi_train_utils.distributed_utils import (
     print_main,
 )
 from multi_train_utils.errors import MAX_LINE, UserInputError, shortened
+from multi_train_utils.files import path_kind
 from my_dataset import Paths, header_problem
 
 # Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF.
@@ -81,11 +82,20 @@ def list_images(class_dir: Path, prefix: str = "") -> list[str]:
         relative, folder = folders.pop()
         with os.scandir(folder) as entries:
             for entry in entries:
-                if entry.is_dir() and not entry.name.startswith("."):
+                if is_folder(entry) and not entry.name.startswith("."):
                     folders.append((f"{relative}{entry.name}/", entry.path))
                 elif is_image_file(entry.name):
                     found.append(f"{prefix}{relative}{entry.name}")
     return sorted(found)
+
+
+def is_folder(entry: os.DirEntry) -> bool:
+    """Whether a folder's entry is a folder (a link to one too). A link the system cannot follow (a loop, a
+    name too long) is not: listed as an image, its header check names it and says why."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def class_folders(root: Path) -> list[Path]:
@@ -113,9 +123,10 @@ def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
 
 def check_data_path(path: Path) -> None:
     """That --data-path is a folder, or a file of a kind a data source reads."""
-    if path.is_dir() or (path.is_file() and path.suffix.lower() in DATA_SOURCES):
+    kind = path_kind(path, "--data-path")
+    if kind == "folder" or (kind == "file" and path.suffix.lower() in DATA_SOURCES):
         return
-    if not path.exists():
+    if kind == "missing":
         raise UserInputError(f"--data-path {path}: no such folder")
     kinds = f"nor a {' or '.join(DATA_SOURCES)} file" if DATA_SOURCES else "(a folder of class sub-folders)"
     raise UserInputError(f"--data-path {path}: not a folder {kinds}")
@@ -125,7 +136,12 @@ def read_samples(path: str | os.PathLike) -> Samples:
     """Every sample of --data-path, by the data source for what it is."""
     path = Path(path)
     check_data_path(path)
-    return read_image_folder(path) if path.is_dir() else DATA_SOURCES[path.suffix.lower()](path)
+    try:
+        return read_image_folder(path) if path.is_dir() else DATA_SOURCES[path.suffix.lower()](path)
+    except OSError as err:  # a folder inside that may not be read, say
+        where = shortened(str(err.filename or path), 120)
+        raise UserInputError(f"--data-path {path}: cannot read {where}: {(err.strerror or str(err)).lower()}"
+                             ) from None
 
 
 def data_root(path: str | os.PathLike) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,8 +26,8 @@ from .distributed_utils import (
     reduce_value,
     unwrap_model,
 )
-from .errors import UserInputError
-from .files import load_file, to_cpu
+from .errors import UserInputError, report
+from .files import load_file, megabytes, tensor_bytes, to_cpu
 from .optim import align_schedule, scheduled_lr
 from .recorder import (
     CHECKPOINT_NAME,
@@ -230,6 +231,24 @@ def saved_best(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint.get("best") or {"metric": "val_acc", "value": checkpoint.get("best_acc")}
 
 
+def bytes_the_run_writes(model: nn.Module, optimizer: torch.optim.Optimizer, epochs_with_weights: int) -> int:
+    """About what a run keeps on disk: the checkpoint (the weights and the optimizer's state, which holds one
+    tensor per weight for momentum and two for Adam's moments), best.pth, and model-N.pth of each epoch that
+    keeps its weights."""
+    weights = tensor_bytes(unwrap_model(model).state_dict())
+    state_per_weight = 2 if "betas" in optimizer.defaults else 1 if optimizer.defaults.get("momentum") else 0
+    return weights * (2 + state_per_weight + epochs_with_weights)
+
+
+def warn_if_the_disk_is_short(folder: Path, needed: int) -> None:
+    """A disk that cannot hold what the run writes is said at the start, not found epochs later."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        report(f"warning: {folder} has {megabytes(free)} free, and the run writes about {megabytes(needed)} "
+               "(checkpoint.pth, best.pth, model-N.pth of each epoch): it will stop when the disk is full, keeping "
+               "what it wrote before")
+
+
 class Checkpointer(Hook):
     """The run's checkpoints: it resumes the saved run, follows where training stands inside each epoch,
     and builds the checkpoint at the end of an epoch or, when a feature asks (a stop signal, a cadence),
@@ -249,6 +268,9 @@ class Checkpointer(Hook):
         self.last_step: StepEnd | None = None
         self.last_saved: tuple[int, int | None] | None = None  # (epoch, step) of the last checkpoint written
         self.saved_at = time.monotonic()  # when it was written (or training started)
+        if recorder.enabled:
+            epochs = recorder.args.get("epochs", 1) if recorder.args.get("keep_epoch_weights", True) else 0
+            warn_if_the_disk_is_short(recorder.output_dir, bytes_the_run_writes(model, optimizer, epochs))
 
     def resume(self, saved: SavedRun) -> int:
         """Load the saved run into this one; return the epoch training goes on in."""

@@ -16,7 +16,7 @@ from typing import Literal, NoReturn
 from .checkpoint import BEST_METRICS, trained_image_size
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
 from .errors import UserInputError
-from .files import check_readable_file
+from .files import check_readable_file, path_kind
 from .optim import OPTIMIZERS, SCHEDULES
 from .shutdown import ends_in_one_line
 from .train_eval_utils import AMP_CHOICES
@@ -320,10 +320,10 @@ def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
 def check_before_start(args: argparse.Namespace) -> None:
     """What the parser cannot see: that the files named are files (the model and the data are checked where
     they are read)."""
-    if args.eval_only and not Path(args.weights).is_file():
+    if args.eval_only and path_kind(Path(args.weights), "--weights") != "file":
         raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
                              "with --weights, or the run's folder with --output-dir")
     if args.resume not in (None, "auto"):
         check_readable_file(Path(args.resume), "--resume")
-    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+    if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
         raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")

@@ -15,8 +15,9 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,12 +133,64 @@ def check_one_gpu_per_process(launch: Launch, visible_gpus: int, env: Mapping[st
                          f"most {visible_gpus}, or train on the CPU with --device cpu)")
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on: a container's or SLURM's limit, not the machine's core count."""
+def usable_cpus(cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int:
+    """The CPUs this process may use: those it may run on (a cpuset, SLURM's binding, taskset), and no more
+    than its cgroup's CPU quota allows (a container's `--cpus` or Kubernetes' CPU limit, which the
+    affinity mask does not show), not the machine's core count."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no affinity masks
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity masks, nor cgroups
         return os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroups, own)
+    return max(1, min(cpus, int(quota))) if quota is not None else cpus
+
+
+def cgroup_cpu_quota(cgroups: Path, own: Path) -> float | None:
+    """The CPUs a quota grants this process's cgroup, or its nearest limited ancestor's (cgroup v2's cpu.max,
+    v1's cpu.cfs_quota_us over cpu.cfs_period_us); None without a quota, or where there are no cgroups."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy, the cpu controller's files in every cgroup
+            folder, read = cgroups, read_cpu_max
+        elif "cpu" in controllers.split(","):
+            folder = next((cgroups / name for name in (controllers, "cpu", "cpu,cpuacct") if (cgroups / name).is_dir()),
+                          None)
+            read = read_cfs_quota
+            if folder is None:
+                continue
+        else:
+            continue
+        # Inside a container the cgroup's own folder is the mount's root; elsewhere, the path below it.
+        here = folder / path.lstrip("/")
+        for level in [here, *here.parents]:
+            if level == folder.parent:
+                break
+            quota = read(level)
+            if quota is not None:
+                quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def read_cpu_max(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def read_cfs_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
 
 
 def cpu_threads_per_process(local_world_size: int) -> int:
@@ -146,13 +199,27 @@ def cpu_threads_per_process(local_world_size: int) -> int:
 
 
 def cpu_threads_for(launch: Launch, env: Mapping[str, str]) -> int:
-    """This process's share of the cores: SLURM's --cpus-per-task for a task of srun (whether or not SLURM binds
-    each task to cores of its own: without that, each would take all the node's), else the usable CPUs shared
-    by the processes on this machine."""
+    """This process's share of the cores: OMP_NUM_THREADS where the user set it; SLURM's --cpus-per-task for a
+    task of srun (whether or not SLURM binds each task to cores of its own: without that, each would take all
+    the node's); else the usable CPUs shared by the processes on this machine."""
+    asked = env.get("OMP_NUM_THREADS", "")
+    users_own = launch.source != "torchrun" or set_before_the_launcher("OMP_NUM_THREADS")
+    if asked.isdigit() and int(asked) > 0 and users_own:
+        return int(asked)
     cpus_per_task = env.get("SLURM_CPUS_PER_TASK", "")
     if launch.source == "slurm" and cpus_per_task.isdigit() and int(cpus_per_task) > 0:
         return min(int(cpus_per_task), usable_cpus())
     return cpu_threads_per_process(launch.local_world_size)
+
+
+def set_before_the_launcher(name: str) -> bool:
+    """Whether `name` was in the environment the launcher (this process's parent) started with: torchrun sets
+    OMP_NUM_THREADS=1 for its processes where the user did not, which is no choice of the user's. Linux keeps
+    a process's starting environment in /proc; elsewhere, what a process got counts as the user's."""
+    try:
+        return f"\0{name}=".encode() in b"\0" + Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -170,6 +237,14 @@ class DistContext:
     def is_main(self) -> bool:
         # Rank 0 is the one process that prints, logs and writes files.
         return self.rank == 0
+
+    @property
+    def runs_on(self) -> str:
+        """Where it computes, for the start line: the GPU (its kind, with several processes), or the CPU and
+        how many threads each process computes with."""
+        if self.device.type == "cpu":
+            return f"cpu, {torch.get_num_threads()} thread(s) per process"
+        return self.device.type if self.distributed else str(self.device)
 
 
 def resolve_device(requested: str | None, local_rank: int, distributed: bool) -> torch.device:
@@ -246,6 +321,10 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
                                      "address and a free port), which a launcher such as torchrun sets")
         env_number(os.environ, "MASTER_PORT")
     backend = process_group_backend(ctx.device)
+    if backend == "gloo":
+        chosen = choose_gloo_interface(launch, os.environ)
+        if chosen and ctx.local_rank == 0:
+            report(chosen, sys.stdout)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         with signals_end_the_wait(ctx.rank, "while the processes were meeting"):
@@ -263,6 +342,75 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
         raise GroupNotFormedError(missing) from None
     report(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
            f"local rank {ctx.local_rank}, {ctx.device}", sys.stdout)  # every rank: one write each, never run together
+
+
+def is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address == "::1"
+
+
+def own_name_is_loopback() -> bool:
+    """Whether this machine's name resolves to a loopback address (127.0.1.1 in /etc/hosts is the default of
+    many images), which gloo then tells the other machines to reach this one at."""
+    try:
+        return all(is_loopback(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        return False
+
+
+def interface_towards(address: str) -> str | None:
+    """The name of the network interface this machine reaches `address` through, by the routing table (a
+    UDP socket's connect sends nothing); None if no route leads there or the interface cannot be named."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return next((name for name, ip in interface_addresses().items() if ip == local and not is_loopback(ip)), None)
+
+
+def interface_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address (Linux: SIOCGIFADDR)."""
+    import fcntl
+    import struct
+
+    found = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address
+            found[name] = socket.inet_ntoa(packed[20:24])
+    return found
+
+
+def choose_gloo_interface(launch: Launch, env: MutableMapping[str, str]) -> str | None:
+    """Where the machine's name resolves to loopback, gloo would give the other machines an address they
+    cannot reach, and every process would wait until --dist-timeout. Unless GLOO_SOCKET_IFNAME says which
+    interface to use, the one that routes to MASTER_ADDR is chosen (on MASTER_ADDR's own machine, the one
+    that routes to the other machines: its only other interface, or its default route's). Returns the line
+    that says so, or None where there is nothing to choose (one machine, a name that resolves, the variable
+    set). Where none can be found, one line names the host and the fix."""
+    if "GLOO_SOCKET_IFNAME" in env or launch.world_size == launch.local_world_size or not own_name_is_loopback():
+        return None
+    master = env.get("MASTER_ADDR", "")
+    try:
+        master_ip = socket.gethostbyname(master)
+    except OSError:
+        master_ip = ""
+    chosen = interface_towards(master_ip) if master_ip and not is_loopback(master_ip) else None
+    if chosen is None:  # this is MASTER_ADDR's machine (or its name is loopback here too)
+        others = [name for name, ip in interface_addresses().items() if not is_loopback(ip)]
+        chosen = others[0] if len(others) == 1 else interface_towards("192.0.2.1")  # TEST-NET: the default route
+    if chosen is None:
+        raise GroupNotFormedError(
+            f"this machine's name, {socket.gethostname()}, resolves to a loopback address, which the other "
+            "machines cannot reach, and no network interface towards them was found; set GLOO_SOCKET_IFNAME to "
+            "the interface they reach this machine through (see `ip -o -4 addr`)")
+    env["GLOO_SOCKET_IFNAME"] = chosen
+    return (f"| {socket.gethostname()} resolves to a loopback address: gloo uses the network interface "
+            f"{chosen} (set GLOO_SOCKET_IFNAME to choose another)")
 
 
 class GroupNotFormedError(UserInputError):
@@ -339,6 +487,8 @@ def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.St
 def single_process(device: str | None = None) -> DistContext:
     """The context of a plain one-process run, whatever the environment says."""
     ctx = DistContext(0, 0, 1, 1, resolve_device(device, 0, distributed=False), distributed=False)
+    if ctx.device.type == "cpu":  # torch's own count is the machine's cores, whatever a container's quota says
+        torch.set_num_threads(cpu_threads_for(Launch(0, 0, 1, 1, "single"), os.environ))
     use_device(ctx.device)
     return ctx
 

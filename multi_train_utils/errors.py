@@ -81,14 +81,20 @@ MAX_LINE = 300  # characters: what a terminal shows in two or three rows
 
 
 def one_line(err: BaseException) -> str:
-    """The message of `err` on one line, without terminal colour codes. An error raised in a data-loader
-    worker arrives with the worker's traceback inside its message; its last line is the original message."""
+    """The message of `err` on one line of at most MAX_LINE characters, without terminal colour codes. An
+    error raised in a data-loader worker arrives with the worker's traceback inside its message; its last
+    line is the original message. A longer line (a path of long names) loses its middle: its start names
+    the flag or the file, its end says what to do."""
     lines = [line for line in ANSI_ESCAPE.sub("", str(err)).splitlines() if line.strip()]
     if not lines:
         return type(err).__name__
     last = lines[-1]
     prefix = f"{type(err).__name__}: "
-    return last.split(prefix, 1)[-1] if prefix in last else last
+    line = last.split(prefix, 1)[-1] if prefix in last else last
+    if len(line) <= MAX_LINE - len("error: "):
+        return line
+    keep = (MAX_LINE - len("error: ") - len(" [...] ")) // 2
+    return f"{line[:keep]} [...] {line[-keep:]}"
 
 
 def shortened(line: str, limit: int = MAX_LINE) -> str:

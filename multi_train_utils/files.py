@@ -9,6 +9,7 @@ import os
 import pickle
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import STOP_SIGNALS, UserInputError
+from .errors import STOP_SIGNALS, UserInputError, shortened
 
 PARTIAL_SUFFIX = ".partial"
 LOW_DISK_BYTES = 64 * 2**20
@@ -39,7 +40,13 @@ def save_atomic(obj: object, path: Path) -> None:
     """torch.save to a temporary file beside `path`, then rename: a crash never leaves half a file, and
     two processes writing the same name never share a temporary file. A write that fails (a full disk)
     removes its temporary file, so that it does not keep the disk full, and ends in one line."""
-    handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
+    try:
+        handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
+    except FileNotFoundError:
+        raise UserInputError(f"cannot write {path}: its folder {path.parent} is gone (deleted while the run "
+                             "wrote to it?)") from None
+    except OSError as err:
+        raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}") from None
     try:
         os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp's file is private; a saved file is not
         with stops_held():
@@ -50,8 +57,8 @@ def save_atomic(obj: object, path: Path) -> None:
         with contextlib.suppress(OSError):
             os.unlink(scratch)
         if isinstance(err, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}; the files "
-                                 "written before it are kept") from None
+            why = why_a_write_failed(err, path.parent, tensor_bytes(obj))
+            raise UserInputError(f"cannot write {path}: {why}; the files written before it are kept") from None
         raise
 
 
@@ -80,23 +87,56 @@ def current_umask() -> int:
     return mask
 
 
-def why_a_write_failed(err: BaseException, folder: Path) -> str:
-    """A full disk in words: torch.save says "basic_ios::clear: iostream error", which nobody reads as that."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "the disk is full (or the disk quota used up)"
+def why_a_write_failed(err: BaseException, folder: Path, needed: int = 0) -> str:
+    """A full disk in words, with what the write needed and what is free: torch.save says
+    "basic_ios::clear: iostream error", which nobody reads as that."""
     free = shutil.disk_usage(folder).free
-    if free < LOW_DISK_BYTES:
-        return f"the disk is full ({free / 2**20:.1f} MB free)"
+    sizes = f"the file needs about {megabytes(needed)}, {megabytes(free)} free" if needed else f"{megabytes(free)} free"
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk is full, or the disk quota used up ({sizes})"
+    if free < max(needed, LOW_DISK_BYTES):
+        return f"the disk is full ({sizes})"
     return err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+
+
+def megabytes(size: int) -> str:
+    return f"{size / 2**20:.1f} MB"
+
+
+def tensor_bytes(tree: Any) -> int:
+    """The bytes of the tensors in `tree` (nested dicts and lists): about what torch.save writes of it."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(value) for value in tree)
+    return 0
+
+
+def path_kind(path: Path, flag: str) -> str:
+    """What `path` is: "missing", "folder", "file" or "other" (a device, a pipe, a socket). A path the system
+    refuses to look up (a name too long, a loop of links, a folder it may not read) is one line naming the
+    flag, the path, shortened, and the system's reason."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "missing"
+    except NotADirectoryError:
+        return "missing"  # a file where a folder of the path should be
+    except OSError as err:
+        raise UserInputError(f"{flag} {shortened(str(path), 120)}: {(err.strerror or str(err)).lower()}") from None
+    return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
 
 def check_readable_file(path: Path, flag: str) -> None:
     """That `path` is a regular file with something in it, or one line saying what it is instead."""
-    if not path.exists():
+    kind = path_kind(path, flag)
+    if kind == "missing":
         raise UserInputError(f"{flag} {path}: no such file")
-    if path.is_dir():
+    if kind == "folder":
         raise UserInputError(f"{flag} {path}: is a folder; name the .pth file inside it")
-    if not path.is_file():
+    if kind == "other":
         raise UserInputError(f"{flag} {path}: not a regular file (a device, a pipe or a socket)")
     if path.stat().st_size == 0:
         raise UserInputError(f"{flag} {path}: is empty (0 bytes), perhaps a copy or download that broke off")

@@ -8,6 +8,7 @@ import ast
 import inspect
 import json
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -177,8 +178,14 @@ def test_each_module_of_the_engine_is_listed_with_its_concern() -> None:
 def test_the_engine_installs_and_trains_a_script_of_your_own(tmp_path: Path) -> None:
     """examples/your_own_script.py: its own model, data and loss, fit() without a run folder, on one process and
     on two; with the engine installed as a wheel puts it, not from the checkout."""
+    # Built from a copy: a build writes build/ and an .egg-info beside its sources, and the checkout may be read-only.
+    sources = tmp_path / "sources"
+    shutil.copytree(REPO / "multi_train_utils", sources / "multi_train_utils",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "requirements.txt"):
+        shutil.copy(REPO / name, sources / name)
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(tmp_path / "wheel"), str(REPO)], capture_output=True, text=True, timeout=240)
+                            str(tmp_path / "wheel"), str(sources)], capture_output=True, text=True, timeout=240)
     assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "wheel").glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
@@ -193,4 +200,5 @@ def test_the_engine_installs_and_trains_a_script_of_your_own(tmp_path: Path) -> 
         assert result.returncode == 0, result.stderr[-3000:]
         right = re.search(r"validation: (\d+) of 128 right", result.stdout)
         assert right and int(right[1]) > 100, result.stdout[-2000:]
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.py", "site", "wheel"], "nothing written"
+    written = sorted(path.name for path in tmp_path.iterdir())
+    assert written == ["mine.py", "site", "sources", "wheel"], "nothing written beside them"

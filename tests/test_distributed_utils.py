@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import requires_cuda
+from conftest import REPO, requires_cuda
 from multi_train_utils import distributed_utils, errors, shutdown
 from multi_train_utils.distributed_utils import (
     SLURM_PORT_BASE,
@@ -150,10 +153,80 @@ def test_gpu_of_each_process(monkeypatch: pytest.MonkeyPatch, visible: int, loca
 def test_a_slurm_task_takes_its_cpus_per_task(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
                                               threads: int) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    monkeypatch.setattr(distributed_utils, "cgroup_cpu_quota", lambda *folders: None)
     task = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="slurm")
     assert cpu_threads_for(task, env) == threads
     torchrun = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="torchrun")
     assert cpu_threads_for(torchrun, {"SLURM_CPUS_PER_TASK": "3"}) == 4, "torchrun inside a job shares the cores"
+
+
+def cgroup_tree(root: Path, own: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A /sys/fs/cgroup of `files` (path: content) and a /proc/self/cgroup of `own`."""
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content)
+    (root / "self_cgroup").write_text(own)
+    return root / "fs", root / "self_cgroup"
+
+
+@pytest.mark.parametrize(("own", "files", "cpus"), [
+    ("0::/kubepods/pod1/c1\n", {"fs/kubepods/pod1/c1/cpu.max": "250000 100000\n"}, 2),  # v2: 2.5 CPUs
+    ("0::/\n", {"fs/cpu.max": "100000 100000\n"}, 1),  # v2 inside a container: its cgroup is the root
+    ("0::/job\n", {"fs/job/cpu.max": "max 100000\n", "fs/cpu.max": "300000 100000\n"}, 3),  # a parent's limit
+    ("4:cpu,cpuacct:/docker/abc\n", {"fs/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
+                                      "fs/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 2),  # v1
+    ("1:cpu:/\n", {"fs/cpu/cpu.cfs_quota_us": "-1\n", "fs/cpu/cpu.cfs_period_us": "100000\n"}, 8),  # none
+    ("0::/\n", {}, 8)])
+def test_a_containers_cpu_quota_counts_as_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own: str,
+                                                    files: dict[str, str], cpus: int) -> None:
+    """`docker --cpus`, Kubernetes' CPU limit: the affinity mask shows every core of the machine, and four
+    threads sharing two cores' worth of quota run many times slower than two."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    assert distributed_utils.usable_cpus(*cgroup_tree(tmp_path, own, files)) == cpus
+
+
+def test_a_users_omp_num_threads_is_kept_but_not_torchruns_own_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    monkeypatch.setattr(distributed_utils, "cgroup_cpu_quota", lambda *folders: None)
+    torchrun = Launch(rank=0, local_rank=0, world_size=2, local_world_size=2, source="torchrun")
+    spawn = Launch(rank=0, local_rank=0, world_size=2, local_world_size=2, source="spawn")
+    assert cpu_threads_for(spawn, {"OMP_NUM_THREADS": "3"}) == 3, "the user's choice"
+    monkeypatch.setattr(distributed_utils, "set_before_the_launcher", lambda name: True)
+    assert cpu_threads_for(torchrun, {"OMP_NUM_THREADS": "3"}) == 3, "set before torchrun started: the user's"
+    monkeypatch.setattr(distributed_utils, "set_before_the_launcher", lambda name: False)
+    assert cpu_threads_for(torchrun, {"OMP_NUM_THREADS": "1"}) == 4, "torchrun's own 1: the cores are shared"
+    assert cpu_threads_for(spawn, {"OMP_NUM_THREADS": "zero"}) == 4
+
+
+@pytest.mark.slow
+def test_a_real_cgroup_quota_is_read(tmp_path: Path) -> None:
+    """A cgroup v1 `cpu` controller (this project's CI mounts one; v2 where that is what the machine has), a
+    quota of one CPU, and a process moved into it: it counts one usable CPU."""
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists():
+        group, limits = v1 / f"train_multi_gpu_test_{os.getpid()}", {"cpu.cfs_quota_us": "100000",
+                                                                   "cpu.cfs_period_us": "100000"}
+    elif (v2 / "cgroup.controllers").exists() and "cpu" in (v2 / "cgroup.subtree_control").read_text():
+        group, limits = v2 / f"train_multi_gpu_test_{os.getpid()}", {"cpu.max": "100000 100000"}
+    else:
+        pytest.skip("no cgroup cpu controller to write to here")
+    try:
+        group.mkdir()
+    except OSError as err:
+        pytest.skip(f"cannot make a cgroup here ({err.strerror})")
+    try:
+        for name, value in limits.items():
+            (group / name).write_text(value)
+        code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
+                "import time; time.sleep(0.5); from multi_train_utils.distributed_utils import usable_cpus;"
+                "print(usable_cpus())")
+        child = subprocess.Popen([sys.executable, "-c", code, str(group / "cgroup.procs")], cwd=REPO,
+                                 stdout=subprocess.PIPE, text=True)
+        out, _ = child.communicate(timeout=60)
+        assert child.returncode == 0 and out.strip() == "1", out
+    finally:
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 def test_cores_are_shared_between_processes_on_a_machine() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -250,6 +251,38 @@ def test_every_damaged_image_is_named_before_the_first_epoch(tmp_path: Path) -> 
     assert not (tmp_path / "run" / "metrics.jsonl").exists(), "stopped before any training"
 
 
+def test_names_the_system_refuses_are_one_line(data: Path, tmp_path: Path) -> None:
+    """A link that loops, among the images; a name longer than the file system takes, for the output folder
+    and for the data: each one short line naming the flag or the file, and why."""
+    folder = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
+    (folder / "a" / "loop.jpg").symlink_to("loop.jpg")
+    (folder / "b" / "loop_dir").symlink_to("loop_dir")
+    result = run_single_in_this_process(["--data-path", str(folder), "--output-dir", str(tmp_path / "run"),
+                                         *TINY_FLAGS])
+    assert result.returncode == 2
+    one_line_error(result, "a/loop.jpg (too many levels of symbolic links)")
+    long_name = "n" * 300
+    for flag, path in (("--output-dir", tmp_path / long_name / "run"), ("--data-path", tmp_path / long_name)):
+        flags = {"--data-path": str(data), "--output-dir": str(tmp_path / "run2"), flag: str(path)}
+        result = run_single_in_this_process([*(word for pair in flags.items() for word in pair), *TINY_FLAGS])
+        assert result.returncode == 2, result.stderr[-2000:]
+        one_line_error(result, f"{flag} {tmp_path}")
+        (line,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
+        assert "file name too long" in line and len(line) <= 300, line
+
+
+def test_forty_damaged_images_are_one_line_of_at_most_300_characters(tmp_path: Path) -> None:
+    folder = make_image_folder(tmp_path / "images", {"a": 30, "b": 30})
+    for index in range(40):
+        (folder / "ab"[index % 2] / f"{'ab'[index % 2]}_{index // 2:03d}.jpg").write_bytes(b"\xff\xd8\xff damaged")
+    result = run_single_in_this_process(["--data-path", str(folder), "--output-dir", str(tmp_path / "run"),
+                                         *TINY_FLAGS])
+    assert result.returncode == 2
+    one_line_error(result, "40 image file(s) in")
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(line) <= 300 and line.count(str(folder)) == 1, line
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 30 MB file system of its own (tmpfs), which training fills: a full disk, for real."""
@@ -271,6 +304,9 @@ def test_a_full_disk_stops_every_rank_in_one_line_and_keeps_the_last_checkpoint(
                   "--model", "mobilenet_v3_small", "--epochs", "6"], timeout=120)
     assert result.returncode == 2
     one_line_error(result, "the disk is full")
+    assert re.search(r"the disk is full.*\(the file needs about \d+\.\d MB, \d+\.\d MB free\)", result.stderr)
+    (warning,) = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert "the run writes about" in warning, "a disk too small for what the run writes is said at the start"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0, "the last checkpoint is whole"
     assert not list(out.rglob("*.partial")), "no temporary file keeps the disk full"
     assert (out / "weights" / "model-0.pth").stat().st_mode & 0o644 == 0o644, "saved files are not private"

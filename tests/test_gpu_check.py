@@ -62,8 +62,9 @@ def fake_parts(tmp_path: Path, hanging_part: list[str], hang_limit_s: float) -> 
         "decode": fake([python(), "-c", WRITES_ITS_JSON]),
         "demo": fake(hanging_part, limit_s=hang_limit_s),
         "benchmark": fake([python(), "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]),
+        # --rootdir: the test ids are relative to it, wherever the repository and the temporary folder are
         "tests": fake([python(), str(REPO / "bench" / "gpu_check.py"), "--pytest", str(tmp_path / "test_fake.py"),
-                       "-p", "no:cacheprovider"], limit_s=100),
+                       "--rootdir", str(tmp_path), "-p", "no:cacheprovider"], limit_s=100),
         "benchmark_decode_gpu": fake([python(), "-c", "pass"], estimate_s=1000),
         "tests_compile": fake([python(), "-c", "pass"]),
     }

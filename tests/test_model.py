@@ -65,6 +65,31 @@ def test_pickled_code_is_refused(tmp_path: Path) -> None:
     assert "weights_only" not in str(refused.value) and "\x1b" not in str(refused.value)
 
 
+class RunsACommand:
+    """What a booby-trapped .pth file holds: unpickling it would run a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_file_that_would_run_code_is_named_for_what_it_is_wherever_it_is_loaded(tmp_path: Path) -> None:
+    """--weights, --eval-only's weights and predict.py's (load_weights) and --resume (read_checkpoint): never
+    run, and never called damaged, whatever case the installed torch writes its "unsupported global" in."""
+    marker, path = tmp_path / "ran", tmp_path / "trap.pth"
+    torch.save({"model": RunsACommand(marker), "optimizer": {}, "scheduler": {}, "epoch": 0}, path)
+    loads = [lambda: load_weights(create_model("resnet18", 3), str(path), "resnet18"),
+             lambda: checkpoint.read_checkpoint(path)]
+    for load in loads:
+        with pytest.raises(UserInputError, match="holds Python objects besides tensors, which are not loaded"):
+            load()
+    assert not marker.exists(), "the command ran"
+
+
 @pytest.mark.parametrize(("content", "message"), [(b"plain text", "not a PyTorch file"),
                                                   (None, "none of its 1 tensors fit")])
 def test_bad_weights_file_is_a_clear_error(tmp_path: Path, content: bytes | None, message: str) -> None:

@@ -55,6 +55,8 @@ TINY_OVERRIDES = {
     "plot_runs.py": [],
     "bench/benchmark.py": ["--model", "resnet18", "--image-size", "16", "--batch-size", "2", "--steps", "2",
                            "--warmup-steps", "1", "--repeats", "1", "--rounds", "1"],
+    "bench/peers_benchmark.py": ["--data-path", "{data}", "--rounds", "1", "--epochs", "1", "--image-size", "16",
+                                 "--batch-size", "4", "--workers", "0"],
     "bench/plot_benchmark.py": [],
     "bench/gpu_check.py": [],  # without a GPU: one line, exit 0
     "predict.py": [],  # on the run an earlier command trained; the demo images replaced, below

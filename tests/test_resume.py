@@ -208,8 +208,9 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing_half_written
 
     monkeypatch.setattr(torch, "save", disk_full)
     monkeypatch.setattr(files.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 10**9, 0))
-    with pytest.raises(UserInputError, match=f"^cannot write {path}: the disk is full"):
-        files.save_atomic({"epoch": 2}, path)
+    with pytest.raises(UserInputError, match=f"^cannot write {path}: the disk is full") as refused:
+        files.save_atomic({"epoch": 2, "weights": torch.zeros(2**18)}, path)
+    assert "the file needs about 1.0 MB, 0.0 MB free" in str(refused.value), "what the write needed, and what is left"
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pth"]
     assert torch.load(path, weights_only=True)["epoch"] == 1
 
