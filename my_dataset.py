@@ -7,6 +7,7 @@ Turning them into normalised floats is one cheap elementwise pass on the trainin
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -87,6 +88,73 @@ def decode_rgb(path: str) -> torch.Tensor:
         except RuntimeError:
             pass  # a damaged file: Pillow either reads it anyway or raises an error that names it
     return pil_to_tensor(load_rgb(path))
+
+
+# (width, height) of an upright photo -> by how much smaller it may be decoded: 1, 2, 4 or 8
+Reduction = Callable[[int, int], int]
+JPEG_REDUCTIONS = (8, 4, 2)  # what libjpeg decodes at directly: 1/8, 1/4 or 1/2 of each side
+REDUCTION_MARGIN = 1.5
+EXIF_ORIENTATION, SIDEWAYS = 0x0112, (5, 6, 7, 8)  # the orientations that turn the picture by 90 degrees
+
+
+def decode_reduction(transform: Callable | None) -> Reduction | None:
+    """How much smaller a JPEG may be decoded for `transform`, or None. Only where the transform's first step
+    brings every image to a size of its own (RandomResizedCrop, Resize): decoded no smaller than that step
+    needs, the photo ends the same, within rounding, and the later steps never see a difference. Another
+    first step may count pixels (a crop of so many), so it gets every pixel."""
+    first = transform.transforms[0] if isinstance(transform, v2.Compose) and transform.transforms else transform
+    if isinstance(first, v2.RandomResizedCrop):
+        out_h, out_w = first.size
+        least_area, (ratio_min, ratio_max) = min(first.scale), first.ratio
+
+        def needed(width: int, height: int) -> float:  # the fraction of each side the smallest crop needs
+            area = least_area * width * height
+            return max(out_w / math.sqrt(area * ratio_min), out_h / math.sqrt(area / ratio_max))
+    elif isinstance(first, v2.Resize) and first.max_size is None:
+        def needed(width: int, height: int) -> float:
+            if len(first.size) == 1:  # the shorter side to that size
+                return first.size[0] / min(width, height)
+            return max(first.size[1] / width, first.size[0] / height)
+    else:
+        return None
+    # The smallest crop stays REDUCTION_MARGIN times the output's side: each output pixel is still an average
+    # of several decoded ones, and ends within a level or two of one decoded from every pixel.
+    return lambda width, height: next((k for k in JPEG_REDUCTIONS if needed(width, height) * k * REDUCTION_MARGIN <= 1),
+                                      1)
+
+
+def decode_transformed_reduced(path: str, transform: v2.Compose, reduction: Reduction) -> torch.Tensor | None:
+    """`transform` of the JPEG at `path`, decoded at 1/2, 1/4 or 1/8 of its width and height where `reduction`
+    says the transform needs no more: libjpeg then scales each 8 x 8 block of the compressed picture itself
+    (Pillow's `draft`), at a fraction of the cost of decoding every pixel. A 12-megapixel phone photo
+    cropped to 224 pixels needs a quarter of its pixels or fewer; its validation crop, a sixty-fourth.
+
+    A random crop is drawn for the photo's full size, by RandomResizedCrop itself (the same random numbers
+    as when every pixel is decoded), then cut from the smaller picture. None where the full size is needed,
+    or where Pillow cannot read the file (decode_rgb then names it)."""
+    try:
+        with Image.open(path) as img:
+            if img.format != "JPEG":
+                return None
+            width, height = img.size
+            if img.getexif().get(EXIF_ORIENTATION) in SIDEWAYS:
+                width, height = height, width  # the transform sees the photo upright
+            factor = reduction(width, height)
+            if factor == 1:
+                return None
+            img.draft("RGB", (img.width // factor, img.height // factor))
+            small = pil_to_tensor(to_rgb(upright(img)))
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+    first, rest = transform.transforms[0], v2.Compose(transform.transforms[1:])
+    if isinstance(first, v2.RandomResizedCrop):
+        box = first.make_params([torch.empty(0, height, width, dtype=torch.uint8)])  # drawn for the full size
+        scale_y, scale_x = small.shape[1] / height, small.shape[2] / width
+        top, left = round(box["top"] * scale_y), round(box["left"] * scale_x)
+        box = {"top": top, "left": left, "height": min(small.shape[1] - top, max(1, round(box["height"] * scale_y))),
+               "width": min(small.shape[2] - left, max(1, round(box["width"] * scale_x)))}
+        return rest(first.transform(small, box))
+    return rest(first(small))
 
 
 def header_problem(path: str) -> str | None:
@@ -234,14 +302,19 @@ class MyDataSet(torch.utils.data.Dataset):
         self.images_path = Paths.of(images_path)  # see Paths: the loader workers share it, without copies
         self.images_class = list(images_class)
         self.transform = transform
+        # Large JPEGs decoded no larger than the transform needs; a decode of one's own is always the one used.
+        self.reduction = decode_reduction(transform) if self.decode is decode_rgb else None
 
     def __len__(self) -> int:
         return len(self.images_path)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        img = self.decode(self.images_path[index])
-        if self.transform is not None:
-            img = self.transform(img)
+        path = self.images_path[index]
+        img = decode_transformed_reduced(path, self.transform, self.reduction) if self.reduction else None
+        if img is None:
+            img = self.decode(path)
+            if self.transform is not None:
+                img = self.transform(img)
         return img, self.images_class[index]
 
     # The tutorial's `collate_fn=dataset.collate_fn` keeps working. The function itself lives at the top

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run as `python bench/loader_benchmark.py` from anywhere
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
@@ -97,11 +98,14 @@ def loader_benchmark(data_path: str, image_size: int, workers: int, repeats: int
             "data_path": str(data_path), "usable_cpus": usable_cpus(), "torch": torch.__version__}
 
 
-def make_photos(target: Path, sources: Sequence[Path], per_source: int = PHOTOS_PER_SOURCE, seed: int = 0) -> Path:
-    """A folder of `PHOTO_SIZE` JPEGs, one class per source photograph: random crops (a half to all of
-    the picture, at 4:3), flips and rescalings of it, saved at quality 90."""
-    rng = random.Random(seed)
-    width, height = PHOTO_SIZE
+def make_photos(target: Path, sources: Sequence[Path], per_source: int = PHOTOS_PER_SOURCE, seed: int = 0,
+                size: tuple[int, int] = PHOTO_SIZE) -> Path:
+    """A folder of JPEGs of `size`, one class per source photograph: random crops (a half to all of the
+    picture, at 4:3), flips and rescalings of it, saved at quality 90. Enlarged past the source's own size
+    (to a camera's 4032 x 3024, say), a picture gets the grain of a camera's sensor (noise of 3 levels), or
+    it would be smoother, and quicker to decode, than any photograph."""
+    rng, grain = random.Random(seed), np.random.default_rng(seed)
+    width, height = size
     for source in sources:
         with Image.open(source) as photo:
             photo = photo.convert("RGB")
@@ -110,7 +114,10 @@ def make_photos(target: Path, sources: Sequence[Path], per_source: int = PHOTOS_
             box_w = min(photo.width, photo.height * width / height) * side
             box_h = box_w * height / width
             left, top = rng.uniform(0, photo.width - box_w), rng.uniform(0, photo.height - box_h)
-            picture = photo.resize(PHOTO_SIZE, Image.BICUBIC, box=(left, top, left + box_w, top + box_h))
+            picture = photo.resize(size, Image.BICUBIC, box=(left, top, left + box_w, top + box_h))
+            if width > box_w:
+                noisy = np.asarray(picture, dtype=np.float32) + grain.normal(0, 3, (height, width, 3))
+                picture = Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
             if rng.random() < 0.5:
                 picture = picture.transpose(Image.FLIP_LEFT_RIGHT)
             out = target / Path(source).stem / f"{Path(source).stem}_{i:03d}.jpg"
@@ -124,8 +131,10 @@ def main() -> None:
     parser.add_argument("--make-photos", required=True, help="folder to write")
     parser.add_argument("--from", dest="sources", nargs="+", required=True, help="photographs to make them from")
     parser.add_argument("--per-source", type=int, default=PHOTOS_PER_SOURCE, help="pictures made from each one")
+    parser.add_argument("--size", default="x".join(map(str, PHOTO_SIZE)), help="WIDTHxHEIGHT of each picture")
     args = parser.parse_args()
-    root = make_photos(Path(args.make_photos), [Path(s) for s in args.sources], args.per_source)
+    size = tuple(int(side) for side in args.size.lower().split("x"))
+    root = make_photos(Path(args.make_photos), [Path(s) for s in args.sources], args.per_source, size=size)
     print(json.dumps({"written": str(root), "images": len(args.sources) * args.per_source}))
 
 

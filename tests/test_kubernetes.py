@@ -20,6 +20,7 @@ import torch.distributed.run
 from conftest import REPO
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import Launch, check_one_gpu_per_process, detect_launch
+from multi_train_utils.errors import UserInputError
 
 MANIFEST = REPO / "examples" / "pytorchjob.yaml"
 JOB = "flowers"  # the manifest's metadata.name: the master's Service is "<name>-master-0"
@@ -67,11 +68,13 @@ def test_each_pod_of_a_pytorchjob_is_one_process(rank: int) -> None:
 
 
 @pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE"])
-def test_without_rank_or_world_size_a_pod_is_one_process_alone(missing: str) -> None:
-    """Both are needed: half of them must not make a pod wait for a process group that never forms."""
+def test_a_pod_with_half_of_rank_and_world_size_is_refused_in_one_line(missing: str) -> None:
+    """Both are needed: with half of them, a pod must neither wait for a process group that never forms nor
+    train alone, as each of the job's pods would, all into one folder."""
     env = operator_env(1, pods=2)
     del env[missing]
-    assert detect_launch(env) == Launch(0, 0, 1, 1, "single")
+    with pytest.raises(UserInputError, match=f"is set but {missing} is not"):
+        detect_launch(env)
 
 
 def test_the_pet_variables_are_torchruns_not_ours() -> None:

@@ -20,7 +20,16 @@ from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.pictures import batch_grid
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, StepOptions, normalisation, to_model_input
-from my_dataset import MyDataSet, build_datasets, build_transforms, collate_fn, decode_rgb, load_rgb
+from my_dataset import (
+    MyDataSet,
+    build_datasets,
+    build_transforms,
+    collate_fn,
+    decode_reduction,
+    decode_rgb,
+    decode_transformed_reduced,
+    load_rgb,
+)
 from utils import read_split_data
 
 spec = importlib.util.spec_from_file_location("loader_benchmark", REPO / "bench" / "loader_benchmark.py")
@@ -265,3 +274,45 @@ def test_fit_and_eval_only_end_the_loader_workers_when_they_return(image_folder:
     assert next(iter(val_loader))[0].shape[0] == 4, "iterated again, the loader starts new workers"
     evaluate_only(model, torch.nn.CrossEntropyLoss(), val_loader, ctx.device, StepOptions("cpu"), ["a", "b", "c"])
     assert multiprocessing.active_children() == [], "the workers outlived evaluate_only"
+
+
+@pytest.mark.parametrize("image_size", [224, 64])
+def test_a_large_jpeg_is_decoded_no_larger_than_the_transform_needs_and_ends_the_same(tmp_path: Path,
+                                                                                     image_size: int) -> None:
+    """A phone's 4032 x 3024: the random crop is drawn for its full size, with the same random numbers, and
+    cut from a picture that libjpeg decoded at 1/2, 1/4 or 1/8 of each side; the flips and every later step
+    are the same, and it is upright too when EXIF turns it. The pixels differ by what DCT scaling does
+    otherwise than the antialiased bilinear filter (docs/input-pipeline.md has the measured figures)."""
+    path = photo_like(tmp_path / "photo.jpg", size=(4032, 3024))
+    turned = photo_like(tmp_path / "turned.jpg", size=(4032, 3024), exif=sideways_exif())
+    limit = 3.0 if image_size == 224 else 5.0  # levels of 255, on average over a crop
+    factors = (2, 4) if image_size == 224 else (8, 8)  # of the training crop, of the validation crop
+    for transform, factor in zip(build_transforms(image_size), factors, strict=True):
+        reduction = decode_reduction(transform)
+        assert reduction(4032, 3024) == factor
+        for file in (path, turned):
+            for seed in range(4):
+                torch.manual_seed(seed)
+                full = transform(decode_rgb(str(file)))
+                torch.manual_seed(seed)
+                reduced = MyDataSet([str(file)], [0], transform)[0][0]
+                assert reduced.shape == full.shape == (3, image_size, image_size)
+                levels = (reduced.float() - full.float()).abs().mean()
+                assert levels < limit, f"{file.name}, seed {seed}: {levels:.2f} levels off on average"
+                torch.manual_seed(seed)
+                assert torch.equal(reduced, decode_transformed_reduced(str(file), transform, reduction)), \
+                    "the dataset decoded every pixel"
+    small, train = photo_like(tmp_path / "small.jpg"), build_transforms(224)[0]  # 500 x 375: each pixel is needed
+    assert decode_transformed_reduced(str(small), train, decode_reduction(train)) is None
+    assert decode_reduction(v2.Compose([v2.RandomCrop(32), v2.Resize(16)])) is None, "a crop of so many pixels first"
+
+    class OwnDecode(MyDataSet):
+        decode = staticmethod(lambda path: torch.zeros(3, 500, 500, dtype=torch.uint8))
+
+    assert OwnDecode([str(path)], [0], train)[0][0].max() == 0, "a decode of one's own was passed over"
+
+
+def sideways_exif() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated 90 degrees: the camera was held upright
+    return exif.tobytes()
