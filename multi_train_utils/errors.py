@@ -5,11 +5,10 @@ import this before anything slow (torch)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
+import importlib.util
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -138,6 +137,8 @@ def signals_end_the_wait(rank: int, moment: str) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
+    import socket  # here: its import takes longer than the scripts may wait before catching Ctrl-C
+
     reader, writer = socket.socketpair()
     writer.setblocking(False)
     signals = (signal.SIGINT, *STOP_SIGNALS)
@@ -186,15 +187,34 @@ def unsupported_pytorch(torch_version: str, torchvision_version: str) -> str | N
 
 
 def require_supported_pytorch() -> None:
-    """Exit with code 2 and one line, before any work, where the installed PyTorch is older than supported. The
-    releases are read as pip installed them, without importing torch, which takes seconds."""
-    try:
-        problem = unsupported_pytorch(importlib.metadata.version("torch"), importlib.metadata.version("torchvision"))
-    except importlib.metadata.PackageNotFoundError:
-        return  # a build that pip did not install: its own import tells
+    """Exit with code 2 and one line, before any work, where the installed PyTorch is older than supported."""
+    torch_version, torchvision_version = installed_version("torch"), installed_version("torchvision")
+    if torch_version is None or torchvision_version is None:
+        return  # not installed: its own import tells
+    problem = unsupported_pytorch(torch_version, torchvision_version)
     if problem is not None:
         report(problem)
         sys.exit(2)
+
+
+def installed_version(package: str) -> str | None:
+    """The release of `package` as its version.py says (torch and torchvision each write one), or None where it
+    is not installed. Read without importing it (torch takes seconds) or importlib.metadata (a tenth of a
+    second, during which Ctrl-C is not yet caught); pip's record of it where there is no version.py."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        return None
+    for folder in spec.submodule_search_locations or ():
+        with contextlib.suppress(OSError), open(os.path.join(folder, "version.py")) as file:
+            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", file.read(), re.MULTILINE)
+            if found:
+                return found[1]
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def stop_now(signum: int, frame: object = None) -> None:

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 import torch
 import torch.multiprocessing as mp
@@ -113,6 +114,10 @@ def stop_signals_passed_on() -> Iterator[StopSignalPasser]:
     its own handling (errors.ends_in_one_line), instead of a traceback from the middle of `import torch`."""
     passer = StopSignalPasser()
     previous = {signum: signal.signal(signum, passer) for signum in (*STOP_SIGNALS, signal.SIGINT)}
+    if os.name == "posix":
+        # Started now, not by the first process: starting it unblocks Ctrl-C again afterwards, and every
+        # process started after that would get Ctrl-C in the middle of its imports.
+        resource_tracker.ensure_running()
     hold_back_ctrl_c(True)
     try:
         yield passer

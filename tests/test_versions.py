@@ -60,18 +60,23 @@ def test_ci_tests_the_oldest_pair_too() -> None:
 @pytest.mark.parametrize(("script", "package"), OLDER_PYTORCH)
 def test_every_script_stops_in_one_line_on_an_older_pytorch(script: str, package: str, tmp_path: Path) -> None:
     """--help: were the check missing, the script would print its help and exit 0, doing no work either. The
-    release is read as pip installed it (without importing torch, which takes seconds): faked there."""
+    release is read from the package's version.py without importing it (torch takes seconds): the check is
+    pointed at an older one's."""
     older = {"torch": "2.5.1", "torchvision": "0.20.1"}[package]
+    fake = tmp_path / "older" / package
+    fake.mkdir(parents=True)
+    (fake / "version.py").write_text(f"__version__ = '{older}+cpu'\ngit_version = 'abc'\n")
     path = REPO / script
-    # As `python SCRIPT --help` would run it (its folder first on sys.path), with the older version faked.
-    fake_older = ("import runpy, sys, importlib.metadata as metadata; installed = metadata.version; "
-                  f"metadata.version = lambda name: {older!r} if name == {package!r} else installed(name); "
+    # As `python SCRIPT --help` would run it (its folder first on sys.path), the older version.py found first.
+    fake_older = ("import runpy, sys, types, importlib.util as util; found = util.find_spec; "
+                  f"util.find_spec = lambda name, *a: types.SimpleNamespace(submodule_search_locations=[{str(fake)!r}])"
+                  f" if name == {package!r} else found(name, *a); "
                   f"sys.argv = [{str(path)!r}, '--help']; sys.path.insert(0, {str(path.parent)!r}); "
                   f"runpy.run_path({str(path)!r}, run_name='__main__')")
     result = run([python(), "-c", fake_older], cwd=tmp_path, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("error: installed are torch ") and f"{package} {older}" in result.stderr
+    assert result.stderr.startswith("error: installed are torch ") and f"{package} {older}+cpu" in result.stderr
 
 
 class RecordingGroup:
