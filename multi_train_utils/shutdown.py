@@ -18,10 +18,10 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -45,6 +45,7 @@ from .versions import default_store, has_default_store
 # How long a failing process asks the process group's key-value store before it gives up on it (not the
 # --dist-timeout of the collectives: the store's host may be gone with the rest of the job).
 STORE_TIMEOUT_S = 5.0
+Answer = TypeVar("Answer")
 QUIET_EXIT_DELAY_S = 2.0
 LAUNCHER_POLL_S = 1.0
 KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
@@ -118,8 +119,8 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
     if isinstance(reason, LostPeerError) and multiprocessing.parent_process() is not None:
         explains = False  # the spawn script, this process's parent, names the one that died, and how
-    if isinstance(reason, GroupNotFormedError):
-        explains = True  # the processes never met: none can count on another to say it
+    if isinstance(reason, (GroupNotFormedError, CutOffError)):
+        explains = True  # the processes never met, or cannot reach one another: none can count on another
     cleanup(failed=True)
     code = exit_code(reason)
     if not explains:
@@ -179,12 +180,7 @@ def first_to_stop() -> bool:
     (a PyTorch that does not lend it), each process explains itself, as without a process group."""
     if not has_default_store():
         return True
-    store = reachable_store()
-    try:
-        return store is not None and store.add("processes_stopped", 1) == 1
-    except Exception:
-        _Ending.store_gone = True
-        return False
+    return store_answer(lambda store: store.add("processes_stopped", 1) == 1, gone=False)
 
 
 def another_process_failed() -> bool:
@@ -192,16 +188,39 @@ def another_process_failed() -> bool:
     store that counts them is gone."""
     if not is_dist_avail_and_initialized() or not has_default_store():
         return False
+    return store_answer(lambda store: store.check(["processes_stopped"]), gone=True)
+
+
+def store_answer(question: Callable[[dist.Store], Answer], gone: Answer, longest_s: float = STORE_TIMEOUT_S) -> Answer:
+    """What `question` asks of the process group's key-value store, or `gone` where the store does not answer
+    within `longest_s`: its host has ended, or the network to it is down. Asked in a thread of its own: with
+    the network down, no reset ever comes, and a question may wait on the dead connection for good (the
+    store's own time-out bounds waiting for keys, not every reply)."""
     store = reachable_store()
-    try:
-        return store is None or store.check(["processes_stopped"])
-    except Exception:
+    if store is None:
+        return gone
+    answers: list[Answer] = []
+
+    def ask() -> None:
+        with contextlib.suppress(Exception):  # PyTorch's own error prints its page of frames: gone, all the same
+            answers.append(question(store))
+
+    asking = threading.Thread(target=ask, name="store-question", daemon=True)
+    asking.start()
+    asking.join(longest_s)
+    if not answers:
         _Ending.store_gone = True
-        return True
+        return gone
+    return answers[0]
 
 
 class StalledRankError(UserInputError):
     """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
+
+
+class CutOffError(StalledRankError):
+    """A collective waited past --dist-timeout and the store does not answer either: no other process can
+    tell, so each that meets it says so itself."""
 
 
 class LostPeerError(Exception):
@@ -223,9 +242,14 @@ def collective_failure(err: BaseException, rank: int) -> BaseException | None:
     message = str(err)
     # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
     if re.search(r"timed out|timeout", message, re.IGNORECASE):
+        if not has_default_store():
+            return None  # a PyTorch that does not lend the store: who stopped answering cannot be asked
         silent = silent_ranks(rank, "timed_out")
         if silent is None:
-            return None
+            return CutOffError(f"rank {rank} waited longer than --dist-timeout for the other processes, and the "
+                               f"job's key-value store{store_address()} does not answer either: the network to "
+                               "its machine is down, or the process that keeps it (rank 0, or torchrun's agent "
+                               "on the first machine) is stuck or gone")
         return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
                                 f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
                                 "answering")
@@ -241,22 +265,27 @@ def collective_failure(err: BaseException, rank: int) -> BaseException | None:
     return None
 
 
+def store_address() -> str:
+    """ " at HOST:PORT" of the process group's store where the environment names it (env://), else ""."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f" at {host}:{port}" if host and port else ""
+
+
 def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | None:
     """The ranks that did not answer: every rank still alive meets the same failure at about the same
     moment, marks itself in the process group's key-value store under `mark`, and waits a moment for the
     others; those never marked are silent (hung in a data loader, deadlocked, stopped, or dead). None if the
     store cannot be asked (its host is gone too). With NCCL, PyTorch's own watchdog may end the processes
     first, naming the collective instead."""
-    store = reachable_store() if has_default_store() else None
-    if store is None:
+    if not has_default_store():
         return None
-    try:
+
+    def unmarked(store: dist.Store) -> list[int]:
         store.set(f"{mark}/{rank}", "1")
         time.sleep(settle_s)
         return [other for other in range(dist.get_world_size()) if not store.check([f"{mark}/{other}"])]
-    except Exception:
-        _Ending.store_gone = True
-        return None
+
+    return store_answer(unmarked, gone=None, longest_s=STORE_TIMEOUT_S + settle_s)
 
 
 def launcher_gone() -> bool:

@@ -407,11 +407,37 @@ def test_a_quiet_exit_waits_for_the_explaining_process_and_stays_quiet_when_stop
     assert quiet.value.code == 2 and 0.2 < time.monotonic() - started < 4
 
 
-def test_a_time_out_whose_store_is_gone_too_keeps_the_original_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Naming the silent ranks needs the store; if its host (rank 0) is gone, the error stands as it was."""
+def test_a_time_out_whose_store_is_gone_too_says_so_from_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Naming the silent ranks needs the store; if its host is gone or cut off, no other process can say it
+    either: this one says that the store does not answer, where it is, and explains itself."""
     def gone() -> None:
         raise RuntimeError("Connection reset by peer")
 
     monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", gone)
-    assert shutdown.collective_failure(RuntimeError("Timed out waiting 5000ms"), 1) is None
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    failure = shutdown.collective_failure(RuntimeError("Timed out waiting 5000ms"), 1)
+    assert isinstance(failure, shutdown.CutOffError)
+    assert str(failure).startswith("rank 1 waited longer than --dist-timeout") and "store at 10.0.0.1:29500 " \
+        "does not answer" in str(failure)
+
+
+class SilentStore:
+    """A store whose every question waits for good, as one across a cut cable does."""
+
+    def set_timeout(self, timeout: object) -> None:
+        pass
+
+    def add(self, key: str, value: int) -> int:
+        time.sleep(3600)
+        return 0
+
+
+def test_a_store_that_never_answers_counts_as_gone_within_its_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
+    monkeypatch.setattr(shutdown, "_Ending", type("Ending", (), {"store_gone": False}))
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", SilentStore, raising=False)
+    started = time.monotonic()
+    assert shutdown.store_answer(lambda store: store.add("processes_stopped", 1), gone="gone", longest_s=0.5) == "gone"
+    assert time.monotonic() - started < 2 and shutdown._Ending.store_gone

@@ -1,5 +1,6 @@
-"""torchrun on several machines, for real: the torchrun commands of docs/clusters.md, each machine one real
-torchrun agent on 127.0.0.1, meeting at a c10d rendezvous as machines of a cluster do.
+"""Elastic torchrun, for real: docs/clusters.md's elastic command, each machine one real torchrun agent on
+127.0.0.1, meeting at a c10d rendezvous as machines of a cluster do (tests/test_two_hosts.py runs the page's
+fixed two-machine command across two hosts).
 
 The elastic test starts a run on one agent, lets a second one join in the middle of the epoch and then
 stops that one with SIGTERM, and checks what the page promises: every sample of the epoch trained once, a
@@ -116,17 +117,6 @@ def wait_until(condition: Callable[[], bool], what: str, running: Agents | None 
             f"waiting for {what}: " + (f"agent {ended[0]} ended\n{running.log(ended[0])[-3000:]}" if ended
                                       else f"not within {timeout} s"))
         time.sleep(0.05)
-
-
-def test_two_machines_under_torchrun(agents: Agents, tmp_path: Path) -> None:
-    """The page's command for several machines, on two agents: one run of two processes."""
-    data = make_image_folder(tmp_path / "images", {"a": 5, "b": 5, "c": 5})
-    endpoint = f"127.0.0.1:{free_port()}"
-    for _ in range(2):
-        agents.start(*as_agent(page_command("--nnodes=2"), endpoint, data, agents.out))
-    assert agents.wait(timeout=240) == [0, 0], agents.log(0)[-3000:] + agents.log(1)[-3000:]
-    (metrics,) = [json.loads(line) for line in (agents.out / "metrics.jsonl").read_text().splitlines()]
-    assert metrics["world_size"] == 2
 
 
 def loaded(record: Path, world_size: int | None = None) -> list[str]:

@@ -66,7 +66,9 @@ def test_a_port_taken_after_the_script_chose_it_is_one_line(monkeypatch: pytest.
                                                              capfd: pytest.CaptureFixture) -> None:
     monkeypatch.setattr(spawn_utils, "find_free_port", lambda host: taken_port)
     assert spawn_job(["--world-size", "2", "--output-dir", str(tmp_path / "run"), *TINY_FLAGS]) == 2
-    errors = capfd.readouterr().err.strip().splitlines()
+    printed = capfd.readouterr()
+    assert "distributed init" not in printed.out, "a process said it had joined a group that never formed"
+    errors = printed.err.strip().splitlines()
     assert errors == [f"error: port {taken_port}, free when the spawn script chose it, was taken by another program "
                       "before the processes met there; start the job again"], errors
 

@@ -32,6 +32,13 @@ class Host:
     namespace: str
     address: str
     core: int
+    cable_end: str  # this machine's end of the cable: its network interface
+
+    def cable(self, connected: bool) -> None:
+        """Plug this machine's end of the cable in or pull it out: pulled, its link is down, and nothing it
+        sends or was sent arrives, nor is refused (no reset reaches the other end); plugged, it is as before."""
+        subprocess.run(["ip", "netns", "exec", self.namespace, "ip", "link", "set", self.cable_end,
+                        "up" if connected else "down"], check=True)
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` run on this machine: in its network namespace (whose /etc/hosts `ip netns exec` puts in place),
@@ -68,8 +75,8 @@ def two_hosts(loopback_names: bool) -> Iterator[list[Host]]:
     its own name to 127.0.1.1, as many cloud and container images ship it; else to its own address."""
     require_two_hosts()
     tag = f"{os.getpid() % 100000}"
-    hosts = [Host("node-a", f"tha{tag}", f"{SUBNET}.1", 0), Host("node-b", f"thb{tag}", f"{SUBNET}.2", 1)]
-    cable = [f"vtha{tag}", f"vthb{tag}"]
+    hosts = [Host("node-a", f"tha{tag}", f"{SUBNET}.1", 0, f"vtha{tag}"),
+             Host("node-b", f"thb{tag}", f"{SUBNET}.2", 1, f"vthb{tag}")]
     try:
         for host in hosts:
             subprocess.run(["ip", "netns", "add", host.namespace], check=True)
@@ -78,12 +85,13 @@ def two_hosts(loopback_names: bool) -> Iterator[list[Host]]:
             (NETNS_CONFIG / host.namespace / "hosts").write_text(
                 f"127.0.0.1 localhost\n{own} {host.name}\n"
                 + "".join(f"{other.address} {other.name}\n" for other in hosts if other is not host))
-        subprocess.run(["ip", "link", "add", cable[0], "type", "veth", "peer", "name", cable[1]], check=True)
-        for host, end in zip(hosts, cable, strict=True):
+        subprocess.run(["ip", "link", "add", hosts[0].cable_end, "type", "veth", "peer", "name", hosts[1].cable_end],
+                       check=True)
+        for host in hosts:
             inside = ["ip", "netns", "exec", host.namespace]
-            subprocess.run(["ip", "link", "set", end, "netns", host.namespace], check=True)
-            subprocess.run([*inside, "ip", "addr", "add", f"{host.address}/24", "dev", end], check=True)
-            subprocess.run([*inside, "ip", "link", "set", end, "up"], check=True)
+            subprocess.run(["ip", "link", "set", host.cable_end, "netns", host.namespace], check=True)
+            subprocess.run([*inside, "ip", "addr", "add", f"{host.address}/24", "dev", host.cable_end], check=True)
+            host.cable(connected=True)
             subprocess.run([*inside, "ip", "link", "set", "lo", "up"], check=True)
         yield hosts
     finally:
