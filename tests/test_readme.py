@@ -41,6 +41,7 @@ NOT_RUN = [
     (r"--syncBN|--prefix syncbn_", "the SyncBN comparison needs GPUs: PyTorch's SyncBatchNorm refuses CPU modules"),
     (r"--nnodes=", "needs a second machine: tests/test_two_hosts.py runs the two-machine command across two "
                    "hosts in network namespaces, tests/test_elastic.py the elastic one with two agents"),
+    (r"two_hosts_benchmark\.py", "needs root and network namespaces: tests/test_two_hosts.py runs it"),
     (r"^tensorboard ", "starts a web server; test_recorder.py reads the same events with TensorBoard's reader"),
     (r"resnet34-333f7ec4\.pth", "needs the flower_photos data set and ImageNet weights (downloads)"),
 ]
