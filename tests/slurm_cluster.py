@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,12 +39,15 @@ def sbatch_scripts(page: Path) -> list[str]:
     return [block for block in blocks if block.startswith("#!/bin/bash\n")]
 
 
-def for_this_machine(script: str, data: Path, out: Path, flags: list[str]) -> str:
-    """A batch script as it can run here: one node, at most two tasks, no GPUs; `data` and `out` for the
-    page's paths; `flags` after the training command's own (later flags win)."""
+def for_this_machine(script: str, data: Path, out: Path, flags: list[str], nodes: int = 1) -> str:
+    """A batch script as it can run here: one node and at most two tasks (or `nodes` of one task each), no
+    GPUs; `data` and `out` for the page's paths; `flags` after the training command's own (later flags win)."""
+    most_tasks = 2 if nodes == 1 else 1
+
     def resources(line: str) -> str:
-        line = re.sub(r"--nodes=\d+", "--nodes=1", line)
-        line = re.sub(r"--ntasks-per-node=(\d+)", lambda m: f"--ntasks-per-node={min(int(m.group(1)), 2)}", line)
+        line = re.sub(r"--nodes=\d+", f"--nodes={nodes}", line)
+        line = re.sub(r"--ntasks-per-node=(\d+)", lambda m: f"--ntasks-per-node={min(int(m.group(1)), most_tasks)}",
+                      line)
         return re.sub(r" --(gpus-per-node|cpus-per-task)=\d+", "", line)
 
     if DATA_PATH not in script or OUTPUT_DIR not in script:
@@ -80,12 +84,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def slurm_conf(root: Path, node: dict[str, str]) -> str:
-    hardware = " ".join(f"{key}={node[key]}" for key in
+def slurm_conf(root: Path, nodes: list[dict[str, str]]) -> str:
+    """slurm.conf for `nodes` (slurmd -C's fields and NodeAddr each); the first keeps slurmctld too."""
+    def hardware(node: dict[str, str]) -> str:
+        return " ".join(f"{key}={node[key]}" for key in
                         ("CPUs", "Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore", "RealMemory"))
+
+    names = ",".join(node["NodeName"] for node in nodes)
     return "\n".join([
         "ClusterName=tests",
-        f"SlurmctldHost={node['NodeName']}(127.0.0.1)",
+        f"SlurmctldHost={nodes[0]['NodeName']}({nodes[0]['NodeAddr']})",
         f"SlurmctldPort={free_port()}",
         f"SlurmdPort={free_port()}",
         "SlurmUser=root",
@@ -108,16 +116,17 @@ def slurm_conf(root: Path, node: dict[str, str]) -> str:
         "ReturnToService=2",
         "JobAcctGatherType=jobacct_gather/none",
         f"StateSaveLocation={root / 'state'}",
-        f"SlurmdSpoolDir={root / 'spool'}",
+        f"SlurmdSpoolDir={root / 'spool'}/%n",  # %n: the node's name, one folder per slurmd
         f"SlurmctldPidFile={root / 'slurmctld.pid'}",
-        f"SlurmdPidFile={root / 'slurmd.pid'}",
+        f"SlurmdPidFile={root}/slurmd.%n.pid",
         f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
-        f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
-        f"NodeName={node['NodeName']} NodeAddr=127.0.0.1 {hardware} State=UNKNOWN",
+        f"SlurmdLogFile={root / 'log'}/slurmd.%n.log",
+        *(f"NodeName={node['NodeName']} NodeAddr={node['NodeAddr']} {hardware(node)} State=UNKNOWN"
+          for node in nodes),
         # OverSubscribe=YES: jobs that ask for it (sbatch --oversubscribe) may share the node's cores.
-        f"PartitionName=tests Nodes={node['NodeName']} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES "
+        f"PartitionName=tests Nodes={names} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES "
         "PriorityTier=1",
-        f"PartitionName=urgent Nodes={node['NodeName']} MaxTime=INFINITE State=UP PriorityTier=2",
+        f"PartitionName=urgent Nodes={names} MaxTime=INFINITE State=UP PriorityTier=2",
         "",
     ])
 
@@ -125,21 +134,26 @@ def slurm_conf(root: Path, node: dict[str, str]) -> str:
 @dataclass
 class SlurmCluster:
     root: Path
-    node: str
+    nodes: list[str]
     env: dict[str, str]  # what a client (and, through sbatch, a job) needs: SLURM_CONF and PATH
     daemons: list[subprocess.Popen] = field(default_factory=list)
+    client: list[str] = field(default_factory=list)  # the words before a client's: where it reaches slurmctld
+
+    @property
+    def node(self) -> str:
+        return self.nodes[0]
 
     def command(self, *args: str, timeout: float = 30) -> str:
         """A SLURM client command (sbatch, scontrol, ...) against this cluster; its standard output."""
-        done = subprocess.run(list(args), env=self.env, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run([*self.client, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise AssertionError(f"{' '.join(args)}: exit {done.returncode}\n{done.stdout}\n{done.stderr}")
         return done.stdout
 
     def sbatch(self, *args: str, env: dict[str, str] | None = None) -> int:
         """Submit a job: sbatch's options, then the script (or --wrap=COMMAND); the job id."""
-        done = subprocess.run(["sbatch", "--parsable", *args], env=env or self.env, capture_output=True, text=True,
-                              timeout=30)
+        done = subprocess.run([*self.client, "sbatch", "--parsable", *args], env=env or self.env,
+                              capture_output=True, text=True, timeout=30)
         assert done.returncode == 0, f"sbatch {' '.join(args)}: {done.stderr}"
         return int(done.stdout.strip().split(";")[0])
 
@@ -161,10 +175,11 @@ class SlurmCluster:
 
     def cancel(self, job_id: int, *options: str) -> None:
         """scancel, for a job that may have ended meanwhile (scancel's complaint about that does not matter)."""
-        subprocess.run(["scancel", *options, str(job_id)], env=self.env, capture_output=True, timeout=30)
+        subprocess.run([*self.client, "scancel", *options, str(job_id)], env=self.env, capture_output=True,
+                       timeout=30)
 
-    def node_state(self) -> str:
-        return re.search(r"State=(\S+)", self.command("scontrol", "show", "node", self.node)).group(1)
+    def node_state(self, node: str | None = None) -> str:
+        return re.search(r"State=(\S+)", self.command("scontrol", "show", "node", node or self.node)).group(1)
 
     def stop(self) -> None:
         """Cancel every job left (its processes killed at once), then end the daemons by their PIDs."""
@@ -195,31 +210,58 @@ def start_cluster(root: Path, path: str) -> SlurmCluster:
         socket.gethostbyname(name)
     except OSError as err:  # jobs find their master by the node's name (the first host of the node list)
         raise AssertionError(f"this machine's name {name!r} does not resolve: add it to /etc/hosts") from err
-    for folder in ("state", "spool", "log"):
+    return started(root, path, [{**node, "NodeAddr": "127.0.0.1"}], on_node=lambda name: [])
+
+
+def start_cluster_on(hosts: list, root: Path, path: str) -> SlurmCluster:
+    """A cluster of one node per host of tests/two_hosts.py: slurmctld and the first slurmd on the first host,
+    the other slurmd on the other, each daemon in its host's network and with its host name, /etc/hosts and
+    core (`nsenter --net`, not `ip netns exec`, which would mount another /sys under slurmd). Clients reach
+    slurmctld from inside the first host."""
+    by_name = {host.name: host for host in hosts}
+    nodes = [{"NodeName": host.name, "NodeAddr": host.address, "CPUs": "1", "Boards": "1", "SocketsPerBoard": "1",
+              "CoresPerSocket": "1", "ThreadsPerCore": "1", "RealMemory": "2000"} for host in hosts]
+
+    def on_node(name: str) -> list[str]:
+        host = by_name[name]
+        inside = (f"mount --bind /etc/netns/{host.namespace}/hosts /etc/hosts && hostname {host.name} && "
+                  f'exec taskset -c {host.core} "$@"')
+        return ["nsenter", f"--net=/run/netns/{host.namespace}", "unshare", "--mount", "--uts", "sh", "-c", inside,
+                "sh"]
+
+    return started(root, path, nodes, on_node)
+
+
+def started(root: Path, path: str, nodes: list[dict[str, str]], on_node: Callable[[str], list[str]]) -> SlurmCluster:
+    """slurmctld on the first node and a slurmd on each, `on_node(name)` the words that put a process there;
+    returned once every node is idle."""
+    for folder in ("state", "log", *(f"spool/{node['NodeName']}" for node in nodes)):
         (root / folder).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
-    conf.write_text(slurm_conf(root, node))
+    conf.write_text(slurm_conf(root, nodes))
     env = {**os.environ, "SLURM_CONF": str(conf), "PATH": path}
-    cluster = SlurmCluster(root, name, env)
-    for daemon, args in (("slurmctld", ["-D", "-i"]), ("slurmd", ["-D", "-N", name])):
-        with open(root / "log" / f"{daemon}.out", "w") as out:
-            cluster.daemons.append(subprocess.Popen([shutil.which(daemon, path=SBIN_PATH), *args, "-f", str(conf)],
-                                                    env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                    start_new_session=True))
+    names = [node["NodeName"] for node in nodes]
+    cluster = SlurmCluster(root, names, env, client=on_node(names[0]))
+    daemons = [("slurmctld", names[0], ["-D", "-i"]), *(("slurmd", name, ["-D", "-N", name]) for name in names)]
+    for daemon, name, args in daemons:
+        with open(root / "log" / f"{daemon}.{name}.out", "w") as out:
+            cluster.daemons.append(subprocess.Popen(
+                [*on_node(name), shutil.which(daemon, path=SBIN_PATH), *args, "-f", str(conf)], env=env, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + 60
     while True:
         if any(daemon.poll() is not None for daemon in cluster.daemons):
             cluster.stop()
-            logs = "\n".join((root / "log" / f"{daemon}.out").read_text()[-2000:] for daemon in DAEMONS)
+            logs = "\n".join(out.read_text()[-2000:] for out in sorted((root / "log").glob("*.out")))
             raise AssertionError(f"a SLURM daemon ended while starting:\n{logs}")
         try:
-            if cluster.node_state().startswith("IDLE"):
+            if all(cluster.node_state(name).startswith("IDLE") for name in names):
                 return cluster
         except (AssertionError, subprocess.TimeoutExpired):
             pass  # slurmctld is not answering yet
         if time.monotonic() > deadline:
             cluster.stop()
-            raise AssertionError(f"the node did not become idle within 60 s; see {root / 'log'}")
+            raise AssertionError(f"the nodes did not become idle within 60 s; see {root / 'log'}")
         time.sleep(0.3)
 
 

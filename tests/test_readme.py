@@ -90,6 +90,13 @@ def readme_commands() -> list[str]:
 
 
 COMMANDS = readme_commands()
+# The benchmarks' own commands run under the marker `benchmarks`, which .ci/run runs after the test command.
+BENCHMARK_COMMAND = re.compile(r"bench/\w*benchmark\.py")
+
+
+def with_marks(command: str) -> pytest.param:
+    marks = [pytest.mark.benchmarks] if BENCHMARK_COMMAND.search(command) else []
+    return pytest.param(command, id=command, marks=marks)
 
 
 def reason_not_run(command: str) -> str | None:
@@ -137,7 +144,7 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", COMMANDS, ids=COMMANDS)
+@pytest.mark.parametrize("command", [with_marks(command) for command in COMMANDS])
 def test_readme_command_runs(command: str, scratch: tuple[Path, Path]) -> None:
     why = reason_not_run(command)
     if why:

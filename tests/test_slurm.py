@@ -24,7 +24,15 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_FLAGS, make_image_folder, run, script_env, torchrun
-from slurm_cluster import SlurmCluster, for_this_machine, sbatch_scripts, start_cluster, why_no_cluster
+from slurm_cluster import (
+    SlurmCluster,
+    for_this_machine,
+    sbatch_scripts,
+    start_cluster,
+    start_cluster_on,
+    why_no_cluster,
+)
+from two_hosts import two_hosts
 
 WHY_SKIP = why_no_cluster()
 pytestmark = [pytest.mark.schedulers, pytest.mark.slow, pytest.mark.skipif(WHY_SKIP is not None, reason=WHY_SKIP or "")]
@@ -77,11 +85,11 @@ class Job:
     """One batch script submitted: its id, its log, the folder it trains into and its record of loaded
     samples (tests/fault_injection: one file per process)."""
 
-    def __init__(self, cluster: SlurmCluster, script: str, data: Path, folder: Path) -> None:
+    def __init__(self, cluster: SlurmCluster, script: str, data: Path, folder: Path, nodes: int = 1) -> None:
         self.cluster, self.out, self.record, self.log = cluster, folder / "run", folder / "samples", folder / "log"
         self.record.mkdir(parents=True, exist_ok=True)
         self.path = folder / "job.sh"
-        self.path.write_text(for_this_machine(script, data, self.out, FLAGS))
+        self.path.write_text(for_this_machine(script, data, self.out, FLAGS, nodes))
         self.id = 0
 
     def submit(self) -> Job:
@@ -306,3 +314,42 @@ def test_two_jobs_on_one_node_meet_on_ports_of_their_own(cluster: SlurmCluster, 
         assert fields["JobState"] == "COMPLETED", f"{fields}\n{log[-3000:]}"
         assert epochs_logged(tmp_path / name)[0]["world_size"] == 2
     assert seen_together, f"the two jobs did not listen on ports {sorted(ports)} at the same time"
+
+
+# ---- two nodes: one slurmd in each of two hosts (tests/two_hosts.py) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with two_hosts(loopback_names=False) as hosts:
+        started = start_cluster_on(hosts, tmp_path_factory.mktemp("slurm_two_nodes"),
+                                   f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+        try:
+            yield started
+        finally:
+            started.stop()
+
+
+def test_on_two_nodes_the_batch_script_trains_stops_at_a_step_on_scancel_and_the_next_job_ends_unbroken(
+        two_nodes: SlurmCluster, data: Path, tmp_path: Path) -> None:
+    """The page's requeue script with `srun`, on two nodes of one task each, each node a host of its own: one
+    job runs to its end; another is cancelled inside its first epoch (scancel: SIGTERM to every task on both
+    nodes), stops at one step on both, and the next job goes on from that step to the first job's weights."""
+    script = requeue_scripts()["python"]
+    unbroken = Job(two_nodes, script, data, tmp_path / "unbroken", nodes=2).submit()
+    fields = unbroken.wait_until_gone()
+    assert fields["JobState"] == "COMPLETED" and fields["NodeList"] == "node-a,node-b", f"{fields}\n{unbroken.output()}"
+    assert {line["world_size"] for line in epochs_logged(unbroken.out)} == {2}
+    job = Job(two_nodes, script, data, tmp_path / "stopped", nodes=2).submit()
+    job.wait_until_training(0)
+    two_nodes.command("scancel", str(job.id))
+    fields = job.wait_until_gone()
+    assert fields["JobState"] == "CANCELLED", f"{fields}\n{job.output()}"
+    (stop,) = STOPPED.findall(job.log.read_text()) or [None]
+    assert stop, job.output()
+    progress = torch.load(job.out / "checkpoint.pth", weights_only=True)["progress"]
+    assert (progress["epoch"], progress["step"]) == (0, int(stop[1])) and 0 < progress["step"] < STEPS_PER_EPOCH
+    job.submit()
+    fields = job.wait_until_gone()
+    assert fields["JobState"] == "COMPLETED", f"{fields}\n{job.output()}"
+    assert f"Resuming from {job.out / 'checkpoint.pth'} at epoch 0, step {progress['step']}" in job.log.read_text()
+    assert max_difference(unbroken.weights(), job.weights()) == 0
