@@ -187,9 +187,14 @@ def main() -> None:
     report = {"job": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
                       if key not in ("output", "only")},
               "medians": medians, "rounds": results, "machine": machine()}
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+    print_report(report, args.output)
+
+
+def print_report(report: dict, output: str | None) -> None:
+    """The figures as the last line of stdout, and into `output` too where it is given."""
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report))
 
 

@@ -34,7 +34,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run as `python bench/two_host
 import pytest
 
 from bench.benchmark import ensure_photo_folder, machine
-from bench.peers_benchmark import photos_times, timed_run
+from bench.peers_benchmark import photos_times, print_report, timed_run
 from two_hosts import two_hosts
 
 SCRIPT = REPO / "train_multi_gpu_using_launch.py"
@@ -126,10 +126,7 @@ def main() -> None:
               "speed_ratio": figures["two_machines"]["images_per_s"][-1] / figures["one_machine"]["images_per_s"][-1],
               "wall_ratio": figures["two_machines"]["wall_s"] / figures["one_machine"]["wall_s"],
               "rounds": results, "machine": machine()}
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report))
+    print_report(report, args.output)
 
 
 if __name__ == "__main__":

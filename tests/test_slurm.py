@@ -42,6 +42,9 @@ PAGE = REPO / "docs" / "clusters.md"
 # with batches of 3 take 4 steps an epoch.
 FLAGS = [*TINY_FLAGS, "--batch-size", "3", "--epochs", "2", "--lr", "0.002"]
 STEPS_PER_EPOCH = 4
+# A job's states on its way to running again: a requeued one passes through the last three, its stopped run's
+# processes still ending (COMPLETING) while its restart count has already gone up.
+NOT_ENDED = {"PENDING", "RUNNING", "REQUEUED", "PREEMPTED", "COMPLETING"}
 STOPPED = re.compile(r"Stopped by SIGTERM (?:at epoch (\d+), step (\d+)|after epoch (\d+)); its checkpoint is ")
 
 
@@ -107,7 +110,7 @@ class Job:
         deadline = time.monotonic() + timeout
         while self.loaded() < loaded_before + 6:
             state = self.cluster.job(self.id)["JobState"]
-            assert state in {"PENDING", "RUNNING"} and time.monotonic() < deadline, f"{state}\n{self.output()}"
+            assert state in NOT_ENDED and time.monotonic() < deadline, f"{state}\n{self.output()}"
             time.sleep(0.05)
 
     def wait_until_gone(self, timeout: float = 180) -> dict[str, str]:
@@ -120,7 +123,7 @@ class Job:
         """Until the job has been put back in the queue `count` times; fails at once if it ended instead."""
         deadline = time.monotonic() + timeout
         while int((fields := self.cluster.job(self.id))["Restarts"]) < count:
-            ended = fields["JobState"] not in {"PENDING", "RUNNING", "REQUEUED", "PREEMPTED", "COMPLETING"}
+            ended = fields["JobState"] not in NOT_ENDED
             assert not ended and time.monotonic() < deadline, (f"job {self.id} not requeued {count} time(s): "
                                                                f"{fields['JobState']}\n{self.output()}")
             time.sleep(0.2)
