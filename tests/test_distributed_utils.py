@@ -436,7 +436,7 @@ class SilentStore:
 
 def test_a_store_that_never_answers_counts_as_gone_within_its_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(shutdown, "is_dist_avail_and_initialized", lambda: True)
-    monkeypatch.setattr(shutdown, "_Ending", type("Ending", (), {"store_gone": False}))
+    monkeypatch.setattr(shutdown._Ending, "store_gone", False)
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_store", SilentStore, raising=False)
     started = time.monotonic()
     assert shutdown.store_answer(lambda store: store.add("processes_stopped", 1), gone="gone", longest_s=0.5) == "gone"
