@@ -421,7 +421,7 @@ def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: floa
     """The line for a group that never formed within --dist-timeout: on rank 0, how many of the processes
     came (the store counts them); on the others, that rank 0's address did not answer. None for other
     errors."""
-    message, address = str(err), f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    message, address = str(err), meeting_point()
     joined = re.search(r"(\d+)/(\d+) clients joined", message)
     if joined:
         return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
@@ -432,6 +432,12 @@ def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: floa
                 f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
                 "(not 127.0.0.1 from another machine)?")
     return None
+
+
+def meeting_point() -> str:
+    """MASTER_ADDR:MASTER_PORT, where the processes of an env:// group meet (rank 0's store), or "" unset."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{host}:{port}" if host and port else ""
 
 
 def process_context(launch: Launch, device: str | None) -> DistContext:

@@ -25,7 +25,13 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from .distributed_utils import GroupNotFormedError, barrier, cleanup, is_dist_avail_and_initialized
+from .distributed_utils import (
+    GroupNotFormedError,
+    barrier,
+    cleanup,
+    is_dist_avail_and_initialized,
+    meeting_point,
+)
 from .errors import (
     STOP_SIGNALS,
     Preempted,
@@ -246,8 +252,9 @@ def collective_failure(err: BaseException, rank: int) -> BaseException | None:
             return None  # a PyTorch that does not lend the store: who stopped answering cannot be asked
         silent = silent_ranks(rank, "timed_out")
         if silent is None:
-            return CutOffError(f"rank {rank} waited longer than --dist-timeout for the other processes, and the "
-                               f"job's key-value store{store_address()} does not answer either: the network to "
+            store = "the job's key-value store" + (f" at {meeting_point()}" if meeting_point() else "")
+            return CutOffError(f"rank {rank} waited longer than --dist-timeout for the other processes, and "
+                               f"{store} does not answer either: the network to "
                                "its machine is down, or the process that keeps it (rank 0, or torchrun's agent "
                                "on the first machine) is stuck or gone")
         return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
@@ -263,12 +270,6 @@ def collective_failure(err: BaseException, rank: int) -> BaseException | None:
                              "word, killed by a signal (the out-of-memory killer sends SIGKILL) or gone with its "
                              "machine; the launcher's report says how it ended")
     return None
-
-
-def store_address() -> str:
-    """ " at HOST:PORT" of the process group's store where the environment names it (env://), else ""."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return f" at {host}:{port}" if host and port else ""
 
 
 def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | None:
