@@ -120,10 +120,8 @@ def path_kind(path: Path, flag: str) -> str:
     flag, the path, shortened, and the system's reason."""
     try:
         mode = path.stat().st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there, or a file where a folder of the path should be
         return "missing"
-    except NotADirectoryError:
-        return "missing"  # a file where a folder of the path should be
     except OSError as err:
         raise UserInputError(f"{flag} {shortened(str(path), 120)}: {(err.strerror or str(err)).lower()}") from None
     return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
