@@ -31,8 +31,7 @@ def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
 
 
 def model_names() -> list[str]:
-    """The names --model takes: the models registered here, then torchvision's classification models
-    (resnet34, mobilenet_v3_small, vit_b_16, ...)."""
+    """The names --model takes: the models registered here, then torchvision's classification models."""
     return [*MODELS, *torchvision.models.list_models(module=torchvision.models)]
 
 
@@ -87,10 +86,8 @@ def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.T
 
 
 def check_model_input(name: str, image_size: int, batch_size: int) -> None:
-    """Train the model for one forward pass on the meta device (shapes only: no memory, no arithmetic) with
-    a batch as BatchNorm normalises it in training (`batch_size`: the images of one process, or of all of them
-    under SyncBatchNorm). An image size the model cannot take, or a batch of one image, which BatchNorm cannot
-    normalise, then fails at once in one line, not in the first step."""
+    """One training forward pass on the meta device (shapes only) with the batch BatchNorm normalises, so that an
+    image size the model cannot take, or a batch BatchNorm cannot normalise, fails now in one line."""
     check_model_name(name)
     try:
         with torch.device("meta"):
@@ -131,8 +128,7 @@ def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = 
 
 def build_model(name: str, num_classes: int, weights: str = "", strict: bool = False,
                 trains_on: tuple[int, int] | None = None) -> nn.Module:
-    """Create the model and load starting weights if any (all of them, if `strict`). `trains_on`: (the batch
-    BatchNorm normalises, the image size), checked first (check_model_input)."""
+    """The model with its starting weights (all of them, if `strict`), checked first on `trains_on`: (batch, size)."""
     if trains_on is not None:
         check_model_input(name, trains_on[1], trains_on[0])
     model = create_model(name, num_classes)

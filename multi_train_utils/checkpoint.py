@@ -27,7 +27,7 @@ from .distributed_utils import (
     unwrap_model,
 )
 from .errors import UserInputError, report
-from .files import load_file, megabytes, tensor_bytes, to_cpu
+from .files import load_file, megabytes, to_cpu
 from .optim import align_schedule, scheduled_lr
 from .recorder import (
     CHECKPOINT_NAME,
@@ -77,14 +77,11 @@ def gather_rng_states() -> list[dict[str, Any]]:
 
 @dataclass
 class EpochProgress:
-    """Where training stands inside an epoch: what a checkpoint written in the middle of one keeps, and
-    where a run resumed from it goes on."""
+    """Where training stands inside an epoch, as a checkpoint written there keeps it."""
 
     epoch: int
     step: int = 0  # optimizer steps done in the epoch
-    # How many of the epoch's shuffled samples all processes together have trained on: the position that
-    # still means the same with another number of processes.
-    samples_seen: int = 0
+    samples_seen: int = 0  # by all processes together: a position that holds with another number of them
     loss_sum: float = 0.0  # their summed training loss (for the epoch's train_loss)
 
 
@@ -112,9 +109,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 
 def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
-    """Which checkpoint to continue from: --resume PATH, or with --resume auto (and in an attempt that
-    torchrun restarted) the one in --output-dir if there is one. A fresh run never replaces a run's checkpoint
-    (nor, refuse_results_without_a_checkpoint, its other results)."""
+    """--resume PATH, or --resume auto's (and a torchrun restart's) checkpoint in --output-dir, or None."""
     folder = Path(output_dir)
     existing = folder / CHECKPOINT_NAME
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and existing.is_file():
@@ -172,9 +167,8 @@ def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sched
 
 
 def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext) -> SavedRun:
-    """The checkpoint to continue from, read by rank 0 and sent to every rank; found before the data is
-    read, since a resumed run keeps the classes and the split it started with. A folder another run is
-    writing to is refused before anything else."""
+    """The checkpoint to continue from, read by rank 0 and sent to every rank (before the data is read: a
+    resumed run keeps its classes and split)."""
     found: tuple[str, Any] | None = None
     if ctx.is_main:
         try:
@@ -205,48 +199,42 @@ def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str
 
 @dataclass
 class Best:
-    """The best value of one validation metric so far: the one rule of what "better" is, for the weights (best.pth)
-    and for their moving average (best_ema.pth). A tie counts as better: the later weights are kept."""
+    """The best value of one validation metric so far: the one rule of "better", for best.pth and best_ema.pth."""
 
     metric: str = "val_acc"
     value: float | None = None
 
     def update(self, metrics: dict[str, Any], prefix: str = "") -> bool:
-        """Whether `metrics` (its `prefix` + metric: ema_val_acc) is the best so far; if so, it is now. A NaN
-        loss never is."""
+        """Whether `metrics` (its `prefix` + metric) is the best so far (a tie is, a NaN never); if so, it is now."""
         value, higher = metrics[prefix + self.metric], BEST_METRICS[self.metric] == "higher"
         if value != value or (self.value is not None and (value < self.value if higher else value > self.value)):
             return False
         self.value = value
         return True
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The best of a saved run, if it was judged by the same metric (else this run starts judging anew)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # a saved run's best, if judged by this metric
         if state.get("metric") == self.metric:
             self.value = state["value"]
+
+
+def warn_if_the_disk_is_short(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              epochs_with_weights: int) -> None:
+    """Say at the start, not epochs later, that the disk cannot hold what the run writes: the checkpoint (the
+    weights and the optimizer's state of 0, 1 or 2 tensors per weight), best.pth and each model-N.pth."""
+    weights = 0
+    for tensor in unwrap_model(model).state_dict().values():
+        weights += tensor.numel() * tensor.element_size()
+    state_per_weight = 2 if "betas" in optimizer.defaults else 1 if optimizer.defaults.get("momentum") else 0
+    needed, free = weights * (2 + state_per_weight + epochs_with_weights), shutil.disk_usage(folder).free
+    if free < needed:
+        report(f"warning: {folder} has {megabytes(free)} free, and the run writes about {megabytes(needed)} "
+               "(checkpoint.pth, best.pth, model-N.pth of each epoch): it will stop when the disk is full, keeping "
+               "what it wrote before")
 
 
 def saved_best(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The best of a checkpoint; one written before --best-metric existed kept its accuracy as best_acc."""
     return checkpoint.get("best") or {"metric": "val_acc", "value": checkpoint.get("best_acc")}
-
-
-def bytes_the_run_writes(model: nn.Module, optimizer: torch.optim.Optimizer, epochs_with_weights: int) -> int:
-    """About what a run keeps on disk: the checkpoint (the weights and the optimizer's state, which holds one
-    tensor per weight for momentum and two for Adam's moments), best.pth, and model-N.pth of each epoch that
-    keeps its weights."""
-    weights = tensor_bytes(unwrap_model(model).state_dict())
-    state_per_weight = 2 if "betas" in optimizer.defaults else 1 if optimizer.defaults.get("momentum") else 0
-    return weights * (2 + state_per_weight + epochs_with_weights)
-
-
-def warn_if_the_disk_is_short(folder: Path, needed: int) -> None:
-    """A disk that cannot hold what the run writes is said at the start, not found epochs later."""
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        report(f"warning: {folder} has {megabytes(free)} free, and the run writes about {megabytes(needed)} "
-               "(checkpoint.pth, best.pth, model-N.pth of each epoch): it will stop when the disk is full, keeping "
-               "what it wrote before")
 
 
 class Checkpointer(Hook):
@@ -270,7 +258,7 @@ class Checkpointer(Hook):
         self.saved_at = time.monotonic()  # when it was written (or training started)
         if recorder.enabled:
             epochs = recorder.args.get("epochs", 1) if recorder.args.get("keep_epoch_weights", True) else 0
-            warn_if_the_disk_is_short(recorder.output_dir, bytes_the_run_writes(model, optimizer, epochs))
+            warn_if_the_disk_is_short(recorder.output_dir, model, optimizer, epochs)
 
     def resume(self, saved: SavedRun) -> int:
         """Load the saved run into this one; return the epoch training goes on in."""

@@ -301,10 +301,8 @@ def flag_combination_problem(args: argparse.Namespace) -> str | None:
 
 def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
             argv: Sequence[str] | None = None) -> None:
-    """Parse the flags, check them against the files, then run `main`. However the run ends early,
-    errors.ends_in_one_line ends it: a mistake the user can fix with one line and exit code 2, Ctrl-C with
-    one line and 130, a stop signal with one line and 143 (during training, after the checkpoint of the
-    step where every rank stopped), every `finally` clean-up first."""
+    """Parse the flags, check them against the files, run `main`; however it ends early, it ends in one line
+    (shutdown.ends_in_one_line)."""
     rank, under_a_launcher = 0, False
     if launcher == "launch":  # this process may be any rank of a launcher's job, and the launcher may die first
         with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too
@@ -318,12 +316,11 @@ def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
 
 
 def check_before_start(args: argparse.Namespace) -> None:
-    """What the parser cannot see: that the files named are files (the model and the data are checked where
-    they are read)."""
+    """That the files named are files (the model and the data are checked where they are read)."""
+    if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
+        raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
     if args.eval_only and path_kind(Path(args.weights), "--weights") != "file":
         raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
                              "with --weights, or the run's folder with --output-dir")
     if args.resume not in (None, "auto"):
         check_readable_file(Path(args.resume), "--resume")
-    if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
-        raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")

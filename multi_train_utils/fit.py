@@ -25,9 +25,8 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
         val_loader: DataLoader, device: torch.device, epochs: int,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, options: StepOptions | None = None,
         run: RunRecorder | None = None, hooks: Iterable[Hook] = ()) -> EvalResult | None:
-    """Train and validate epoch after epoch, up to `epochs`; print each epoch's figures (rank 0) and return the
-    last validation result. With `run`, also write what the run keeps and continue from its saved state. The
-    loaders' worker processes end when it returns, however it returns."""
+    """Train and validate up to `epochs`, print each epoch's figures, return the last validation result; with
+    `run`, also continue its saved state and write what it keeps."""
     options = options or StepOptions(device.type)
     hooks, start_epoch, checkpoints = Hooks(hooks), 0, None
     if run is not None:
@@ -75,10 +74,8 @@ def epoch_line(metrics: dict[str, Any]) -> str:
 
 def optional_features(args: dict[str, Any], epochs: int, checkpoints: Checkpointer, criterion: Criterion,
                       val_loader: DataLoader) -> list[Hook]:
-    """The features a run has: stopping at a step on a stop signal always; the others where the run's flags ask
-    for them, each module imported only then (delete a module and its lines here, and runs train without it).
-    In the order they act after each step: the average first, so that a checkpoint written at that step
-    holds it."""
+    """Stopping at a step on a stop signal, and the features the flags ask for, each imported only then; in the
+    order they act after a step (the average first, for a checkpoint at that step to hold it)."""
     features: list[Hook] = []
     if args.get("model_ema"):
         from .ema import ModelEma  # --model-ema: a moving average of the weights, validated and saved too

@@ -42,9 +42,8 @@ SCHEDULES: dict[str, Callable[[float, float], float]] = {"cosine": cosine, "step
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Every parameter, in two groups: weight decay for the weights of convolutions and linear layers, none for
-    biases and normalisation layers (1-D tensors), which it would only pull towards zero. Frozen ones too: a
-    parameter without a gradient is left alone by the optimizer, and trains once it is unfrozen."""
+    """Every parameter (frozen ones too, to train once unfrozen): weight decay for weights, none for biases and
+    normalisation layers (1-D tensors), which it would only pull towards zero."""
     decayed, plain = [], []
     for param in model.parameters():
         (decayed if param.ndim > 1 else plain).append(param)
@@ -66,9 +65,8 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.001,
 
 def warmup_then(schedule: Callable[[float, float], float], lrf: float, warmup_steps: int,
                 total_steps: int) -> Callable[[int], float]:
-    """The factor of the base lr at each optimizer step: a linear warm-up over `warmup_steps`, then
-    `schedule` over the rest. Per step, not per epoch: a one-epoch warm-up rises in as many small steps as
-    the epoch has, instead of starting the epoch at half the lr and jumping to the whole of it."""
+    """The factor of the base lr at each optimizer step (not epoch: a warm-up rises smoothly): a linear warm-up
+    over `warmup_steps`, then `schedule`."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:

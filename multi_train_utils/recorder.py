@@ -52,8 +52,7 @@ class SavedRun:
 
     @property
     def split(self) -> dict[str, Any] | None:
-        """How the run's classes and split were made (None before runs saved them), and where its split.json
-        is, which lists its files."""
+        """How the run's classes and split were made, and its split.json (None before runs saved them)."""
         if not self.state or "split" not in self.state:
             return None
         folder = Path(self.path).parent
@@ -61,8 +60,7 @@ class SavedRun:
         return {"file": str(run / "split.json"), **self.state["split"]}
 
     @property
-    def start_epoch(self) -> int:
-        """The first epoch the resumed run trains (a checkpoint inside an epoch names the one before)."""
+    def start_epoch(self) -> int:  # the first epoch it trains: a checkpoint inside an epoch names the one before
         return self.state["epoch"] + 1 if self.state else 0
 
 
@@ -77,14 +75,14 @@ class RunRecorder(Hook):
     TensorBoard's events: the figures of every epoch and, every STEP_LOG_EVERY optimizer steps, the step's own
     (loss, lr), all counted in optimizer steps, so that a resumed run goes on drawing where the checkpoint was.
 
-    On ranks other than 0 every method does nothing, so the training loop never checks the rank.
+    On ranks other than 0 every method does nothing, so the training loop never checks the rank. `split`: what
+    the run trains on, a utils.SplitData (its class_names, its record, which checkpoints keep, and its
+    files_record(), which split.json holds) or one dict for both; `args`: the run's flags, kept in its
+    checkpoints; `saved`: the run it continues, if any.
     """
 
     def __init__(self, output_dir: str | os.PathLike, ctx: DistContext, split: Any, args: dict[str, Any],
                  saved: SavedRun | None = None) -> None:
-        """`split`: what the run trains on, as a utils.SplitData (its class_names, its record, which checkpoints
-        keep, and its files_record(), which split.json holds), or one dict for both; `args`: the run's flags,
-        kept in its checkpoints; `saved`: the run it continues, if any."""
         self.enabled, self.args, self.saved, self.split_data = ctx.is_main, args, saved or SavedRun(), split
         self.class_names: list[str] = split["class_names"] if isinstance(split, dict) else split.class_names
         self.output_dir = Path(output_dir)
@@ -96,11 +94,7 @@ class RunRecorder(Hook):
         if not self.enabled:
             return
         try:
-            self.lock = claim_folder(self.output_dir)
-            if self.saved.state is None:  # a fresh run: not over the results of another
-                refuse_results_without_a_checkpoint(self.output_dir)
-            remove_partial_files(self.output_dir)  # of a run that was killed while it wrote
-            check_paths_to_write(self.output_dir)
+            self.lock = claim_folder(self.output_dir, fresh=self.saved.state is None)
             self.weights_dir.mkdir(exist_ok=True)
             (self.output_dir / "class_indices.json").write_text(
                 json.dumps(dict(enumerate(self.class_names)), indent=4) + "\n")
@@ -262,18 +256,6 @@ def epoch_of(line: str) -> float:
         return float("inf")
 
 
-def check_paths_to_write(folder: Path) -> None:
-    """That nothing is in the way of a file or folder the run will write: found now, not after training."""
-    for name in FILES_WRITTEN:
-        if (folder / name).is_dir():
-            raise UserInputError(f"--output-dir {folder}: {folder / name} is a folder, where the run writes a file; "
-                                 "move it away, or choose another --output-dir")
-    for name in FOLDERS_WRITTEN:
-        if (folder / name).exists() and not (folder / name).is_dir():
-            raise UserInputError(f"--output-dir {folder}: {folder / name} is a file, where the run writes a folder; "
-                                 "move it away, or choose another --output-dir")
-
-
 def position_of(path: Path) -> str:
     """The position of a checkpoint this run did not write (the one it resumed from), read without loading
     its tensors."""
@@ -287,20 +269,14 @@ def position_of(path: Path) -> str:
         return f"checkpoint-{int(path.stat().st_mtime)}"
 
 
-def results_in(folder: Path) -> list[str]:
-    """The results of a run found in `folder` (metrics, weights, checkpoints), as paths relative to it."""
-    found = []
+def refuse_results_without_a_checkpoint(folder: Path) -> None:
+    """Stop a fresh run before it mixes its own with the metrics and weights of a run whose checkpoint is
+    missing (--save-every and a crash, files deleted by hand)."""
+    results = []
     for pattern in RESULTS:
         for path in sorted(folder.glob(pattern)):
             if path.is_file() and (path.name != "metrics.jsonl" or path.stat().st_size):
-                found.append(str(path.relative_to(folder)))
-    return found
-
-
-def refuse_results_without_a_checkpoint(folder: Path) -> None:
-    """Stop a fresh run before it overwrites, or mixes its own with, the metrics and weights of a run whose
-    checkpoint is missing (--save-every and a crash, files deleted by hand)."""
-    results = results_in(folder)
+                results.append(str(path.relative_to(folder)))
     if results:
         older = newest_readable(folder)
         go_on = f"continue it with --resume {older}" if older else "choose another --output-dir"
@@ -320,14 +296,6 @@ def newest_readable(folder: Path, but: Path | None = None) -> Path | None:
             except UserInputError:
                 continue
     return None
-
-
-def remove_partial_files(folder: Path) -> None:
-    """Delete the temporary files of writes that a killed run (SIGKILL, a power cut) left unfinished: each
-    may be as large as a checkpoint. Called by the run that holds the folder's lock, so none is in use."""
-    for partial in [*folder.glob(f".*{PARTIAL_SUFFIX}"), *folder.glob(f"*/.*{PARTIAL_SUFFIX}")]:
-        with contextlib.suppress(OSError):
-            partial.unlink()
 
 
 def lock_holder(lock: TextIO) -> str | None:
@@ -351,10 +319,9 @@ def refuse_a_folder_in_use(folder: Path) -> None:
                                  "it finish, or choose another --output-dir")
 
 
-def claim_folder(folder: Path) -> TextIO:
-    """Lock `folder` for this run's life: a second run into it stops at once, instead of both writing the
-    same files. The system releases the lock when the returned file is closed or the process ends,
-    however it ends. (No lock on Windows, which has no flock.)"""
+def claim_folder(folder: Path, fresh: bool = True) -> TextIO:
+    """Lock `folder` for this run's life (the system releases it however the process ends; Windows has no flock)
+    and check that what the run writes may be written there, found now rather than after training."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the run's life
     holder = lock_holder(lock)
@@ -365,4 +332,15 @@ def claim_folder(folder: Path) -> TextIO:
     lock.truncate(0)
     lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
+    if fresh:
+        refuse_results_without_a_checkpoint(folder)
+    # The temporary files of writes a killed run left unfinished, each perhaps a checkpoint's size; none in use.
+    for partial in [*folder.glob(f".*{PARTIAL_SUFFIX}"), *folder.glob(f"*/.*{PARTIAL_SUFFIX}")]:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+    for name in (*FILES_WRITTEN, *FOLDERS_WRITTEN):
+        wanted, path = "folder" if name in FOLDERS_WRITTEN else "file", folder / name
+        if path.exists() and path.is_dir() != (wanted == "folder"):
+            raise UserInputError(f"--output-dir {folder}: {path} is a {'file' if path.is_file() else 'folder'}, "
+                                 f"where the run writes a {wanted}; move it away, or choose another --output-dir")
     return lock

@@ -45,17 +45,19 @@ def unchanged(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor,
     return images, labels
 
 
+class NonFiniteLossError(UserInputError):
+    """The loss became NaN or infinite: training has diverged. Raised on every rank at the same step."""
+
+
 @dataclass
 class StepOptions:
-    """How each step runs, decided once from the flags, so that the loop itself has no branches. The defaults
-    are the plain loop: float32, the default memory format, one optimizer step per batch."""
+    """How each step runs, decided once from the flags, so that the loop itself has no branches."""
 
     device_type: str = "cpu"
     amp_dtype: torch.dtype | None = None  # autocast's; None: float32
     channels_last: bool = False  # NHWC: what tensor cores and oneDNN's fastest convolutions read
     accum_steps: int = 1
-    # float16 gradients underflow to zero without loss scaling (bfloat16 needs none); disabled, the scaler passes
-    # the loss and the step straight through: one loop for every precision.
+    # Loss scaling, which float16 gradients need (they underflow without); disabled, it passes everything through.
     scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
     sync_gradients: bool = True  # False only for the benchmark's bound without communication
     clip_grad_norm: float | None = None  # the largest L2 norm of all gradients together that a step may use
@@ -118,12 +120,10 @@ def autocast_dtype(amp: str, device: torch.device, comm_hook: str = "none") -> t
 
 def to_model_input(images: Any, device: torch.device,
                    memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
-    """A batch from the loader as the model takes it, on `device`: uint8 pixels (N, 3, H, W), or JPEGs still to
-    decode (--decode-on gpu), become float32 in the ImageNet normalisation; float batches are only moved."""
+    """A loader's batch on `device` as the model takes it: uint8 pixels become float32, ImageNet-normalised."""
     if not isinstance(images, torch.Tensor):  # JPEG files of --decode-on gpu (gpu_decode.EncodedBatch)
         images = images.decode_and_augment(device)
-    # Copied as uint8, a quarter of float32's bytes, asynchronously from pinned memory; laid out while a pixel
-    # is still one byte.
+    # Copied and laid out as uint8, a quarter of float32's bytes.
     images = images.to(device, non_blocking=True).to(memory_format=memory_format)
     if images.dtype != torch.uint8:
         return images
@@ -133,29 +133,26 @@ def to_model_input(images: Any, device: torch.device,
 
 @functools.cache
 def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ImageNet's mean and 1/std in 0..255 pixel units, made once per device: built every step, their copy
-    to the GPU would make the CPU wait for it every step."""
+    """ImageNet's mean and 1/std in pixel units, made once per device (copied every step, they would stall it)."""
     mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
     return mean, 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
 
 
 @dataclass
 class StepEnd:
-    """What the training loop tells the hooks after each optimizer step. Tensors stay on the device until a hook
-    reads them (which makes the CPU wait for the device)."""
+    """What the loop tells the hooks after each optimizer step (tensors stay on the device until read)."""
 
     epoch: int
     step: int  # optimizer steps done in the epoch (a resumed epoch's first part included)
     steps_per_epoch: int
-    images: int  # images this process has trained on in this call
-    loss_sum: torch.Tensor  # their summed loss
-    non_finite: torch.Tensor  # how many of their batches had a NaN or infinite loss
+    images: int  # images this process has trained on in this call, their summed loss, their non-finite losses
+    loss_sum: torch.Tensor
+    non_finite: torch.Tensor
     model: nn.Module
     figures: dict[str, Any] = field(default_factory=dict)  # the step's own: loss, lr (TensorBoard draws them)
 
     @property
-    def run_step(self) -> int:
-        """Optimizer steps since the start of the run."""
+    def run_step(self) -> int:  # optimizer steps since the start of the run
         return self.epoch * self.steps_per_epoch + self.step
 
 
@@ -215,16 +212,12 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
                     data_loader: DataLoader, device: torch.device, epoch: int,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     options: StepOptions | None = None, hooks: Hooks | None = None) -> float:
-    """Train on this process's share of one epoch; return the mean loss over all processes' images.
-
-    With options.accum_steps K, the gradients of K batches add up before each optimizer step: K batches of
-    b images take the same step as one batch of K*b (BatchNorm statistics aside).
-    """
+    """Train on this process's share of one epoch; return the mean loss over all processes' images. With
+    options.accum_steps K, K batches of b images take the step of one batch of K*b (BatchNorm aside)."""
     options, hooks = options or StepOptions(device.type), hooks or Hooks()
     model.train()
     done, batches = batches_done(data_loader)
-    # Summed on the device and read only every LOG_EVERY batches: reading them every batch would make the
-    # CPU wait for the GPU every batch.
+    # Summed on the device and read every LOG_EVERY batches: reading them every batch would stall the GPU.
     state = StepEnd(epoch, done // options.accum_steps, -(-batches // options.accum_steps), 0,
                     torch.zeros((), device=device), torch.zeros((), device=device), model)
     optimizer.zero_grad(set_to_none=True)
@@ -265,22 +258,18 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
 
 
 def batches_done(data_loader: DataLoader) -> tuple[int, int]:
-    """The batches of the epoch already trained (by a stopped run, where this one resumes it) and all of them."""
+    """The batches of the epoch trained before (by the run this one resumes) and all of them."""
     sampler, batch_size = getattr(data_loader, "sampler", None), getattr(data_loader, "batch_size", None) or 1
     done = getattr(sampler, "skipped", 0) // batch_size
     return done, getattr(sampler, "epoch_length", 0) // batch_size or done + len(data_loader)
 
 
 def accumulation_group(batch: int, batches: int, accum_steps: int) -> tuple[int, bool]:
-    """The size of the group of batches whose gradients `batch` adds to, and whether it is the group's last.
-    The last group of an epoch may hold fewer than accum_steps batches; each batch weighs 1/(its group's size)."""
+    """The size of the group of accumulated batches `batch` is in (the epoch's last may be smaller), and
+    whether `batch` is its last."""
     group_start = batch - batch % accum_steps
     group_size = min(accum_steps, batches - group_start)
     return group_size, batch == group_start + group_size - 1
-
-
-class NonFiniteLossError(UserInputError):
-    """The loss became NaN or infinite: training has diverged. Raised on every rank at the same step."""
 
 
 def stop_if_diverged(non_finite: torch.Tensor, epoch: int, step: int) -> None:
@@ -312,29 +301,15 @@ def batch_sums(logits: torch.Tensor, labels: torch.Tensor, criterion: Criterion,
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Every sum of batch_sums, over the whole validation set and every process, and the figures made of them."""
+    """Every sum of batch_sums over the whole validation set and every process, and the figures made of them."""
 
     sums: dict[str, torch.Tensor]
 
-    @property
-    def correct(self) -> int:
-        return int(self.sums["correct"])
-
-    @property
-    def total(self) -> int:
-        return int(self.sums["total"])
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total if self.total else 0.0
-
-    @property
-    def loss(self) -> float:
-        return float(self.sums["loss"]) / self.total if self.total else float("nan")
-
     def figures(self) -> dict[str, Any]:
         """Validation's figures in metrics.jsonl and --eval-only (confusion.class_figures adds the classes')."""
-        return {"val_correct": self.correct, "val_total": self.total, "val_acc": self.accuracy, "val_loss": self.loss}
+        correct, total = int(self.sums["correct"]), int(self.sums["total"])
+        return {"val_correct": correct, "val_total": total, "val_acc": correct / total if total else 0.0,
+                "val_loss": float(self.sums["loss"]) / total if total else float("nan")}
 
 
 @torch.no_grad()

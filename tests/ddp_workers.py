@@ -126,7 +126,7 @@ def exact_evaluation_worker(rank: int, world_size: int, sizes: list[int], out: s
         skew_batchnorm(unwrap_model(model), rank)
         results = {count: evaluate(model, CROSS_ENTROPY, evaluation_loader(ctx, count), ctx.device, num_classes=3)
                    for count in sizes}
-        torch.save({count: (r.correct, r.total, r.loss, r.sums["confusion"].tolist()) for count, r in results.items()},
+        torch.save({count: (r.figures(), r.sums["confusion"].tolist()) for count, r in results.items()},
                    Path(out) / f"eval_rank{rank}.pth")
     finally:
         cleanup()

@@ -130,10 +130,11 @@ def test_distributed_evaluation_and_its_confusion_matrix_equal_one_process(tmp_p
         for count in sizes:
             alone = ddp_workers.evaluate(model, ddp_workers.CROSS_ENTROPY, ddp_workers.evaluation_loader(ctx, count),
                                          ctx.device, num_classes=3)
-            correct, total, loss, confusion = results[count]
-            assert total == count, "padding or skipping changed the number of images"
-            assert (correct, total) == (alone.correct, alone.total)
-            assert loss == pytest.approx(alone.loss, rel=1e-6)  # float32 sums in another order
+            figures, confusion = results[count]
+            correct, alone_figures = figures["val_correct"], alone.figures()
+            assert figures["val_total"] == count, "padding or skipping changed the number of images"
+            assert (correct, count) == (alone_figures["val_correct"], alone_figures["val_total"])
+            assert figures["val_loss"] == pytest.approx(alone_figures["val_loss"], rel=1e-6)  # float32, another order
             # The confusion matrix, summed in the same all-reduce: the same counts as one process's.
             assert confusion == alone.sums["confusion"].tolist() and sum(map(sum, confusion)) == count
             assert sum(confusion[i][i] for i in range(3)) == correct

@@ -56,7 +56,7 @@ def test_channels_last_reaches_the_weights_and_the_images() -> None:
     assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in seen)
     loader = torch.utils.data.DataLoader(ddp_workers.fixed_data(8), batch_size=4)
     result = evaluate(model, nn.CrossEntropyLoss(), loader, torch.device("cpu"), StepOptions("cpu", channels_last=True))
-    assert result.total == 8
+    assert result.figures()["val_total"] == 8
 
 
 @pytest.mark.parametrize(("amp", "has_bf16", "expected"), [
