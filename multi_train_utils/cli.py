@@ -77,6 +77,22 @@ def fraction(text: str) -> float:
     return positive_float(text, at_most=1.0)
 
 
+class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to a flag's help, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, "") or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad flag in one line, like every other mistake, instead of the whole usage first."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserInputError(f"{message} (see {self.prog} --help)")
+
+
 def below_one(text: str) -> float:
     """A finite number from 0 up to, not including, 1 (a label smoothing of 1 would leave no target)."""
     try:
@@ -102,22 +118,6 @@ MAX_IMAGE_SIZE = 4096
 MAX_LR = 1e6
 MAX_SEED = 2**31 - 1  # NumPy takes seeds up to 2**32 - 1, and each rank adds its rank
 WORKERS_PER_CPU = 4
-
-
-class DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" to a flag's help, unless its help already says what the default is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, "") or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a bad flag in one line, like every other mistake, instead of the whole usage first."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserInputError(f"{message} (see {self.prog} --help)")
 
 
 BOOLEAN = {"type": str2bool, "nargs": "?", "const": True}  # --flag, --flag true, --flag false

@@ -4,6 +4,22 @@ worker processes (how many, how they start, which signals they obey).
 The datasets themselves come from the scripts (my_dataset.py, utils.py, or your own): any map-style dataset
 of (image, label) pairs, where an image is a uint8 tensor (3, H, W), or a float tensor the model takes as it is.
 A dataset may bring its own `collate_fn`, as the tutorial's MyDataSet does.
+
+Training deals each epoch's permutation of the training set, drawn from (seed, epoch) as DistributedSampler draws
+it, round-robin (rank r takes r, r+N, r+2N, ...), also with one process, so that the order depends only on the
+seed and the epoch; drop_last: the fewer than N samples that do not divide among the N processes wait for the next
+epoch instead of being repeated. After any number of batches the processes together have taken the permutation's
+first samples, so an epoch resumed after `skip(samples_seen)`, by however many processes, deals out exactly the
+samples that are left. Validation deals without padding: DistributedSampler pads every rank to the same length by
+repeating samples (11 samples on 2 ranks become 12), which would count the repeated images twice; here ranks may
+get one sample less, so correct/total summed over ranks is exact.
+
+The loader's workers are forked on Linux, even inside processes started by spawn (whose children would otherwise
+be spawned too, each importing torch again: seconds per worker), with Ctrl-C and the stop signals blocked, which
+they then leave to the training process (leave_signals_to_the_trainer). Persistent workers left to the garbage
+collector would end only after 5 s each (torch's MP_STATUS_CHECK_INTERVAL): the collector closes the loader's
+queues before the loader sends its workers the word to stop, and each worker waits out its timeout; ended by
+`workers_ended`, while the queues are open, they go in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -33,42 +49,24 @@ def seed_everything(seed: int, rank: int = 0) -> None:
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """DistributedSampler, which can also start an epoch part-way.
-
-    As DistributedSampler does, each epoch is one permutation of the training set drawn from (seed, epoch),
-    dealt round-robin (rank r takes r, r+N, r+2N, ...); drop_last=True: the fewer than N samples that do not
-    divide among the N processes wait for the next epoch instead of being repeated. After any number of
-    batches the processes together have taken the permutation's first samples, so an epoch resumed after
-    `skip(samples_seen)`, by however many processes, deals out exactly the samples that are left.
-    """
+    """DistributedSampler (shuffled, drop_last), which can also start an epoch part-way (see the module's docstring)."""
 
     def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int = 0) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
-        self.samples_seen = 0
+        self.epoch_length = len(dataset) // num_replicas  # this process's share, what is skipped included
+        self.skip(0)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
-        self.samples_seen = 0
+        self.skip(0)
 
     def skip(self, samples_seen: int) -> None:
         """Start this epoch after the first `samples_seen` samples of its permutation (all processes' together)."""
         self.samples_seen = samples_seen
-
-    @property
-    def skipped(self) -> int:
-        """This process's share of the samples skipped."""
-        return self.samples_seen // self.num_replicas
-
-    @property
-    def epoch_length(self) -> int:
-        """This process's share of a whole epoch, the skipped samples included."""
-        return len(self.dataset) // self.num_replicas
+        self.skipped = samples_seen // self.num_replicas  # this process's share of them
 
     def __iter__(self) -> Iterator[int]:
-        if not self.samples_seen:
-            return super().__iter__()
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
         left = torch.randperm(len(self.dataset), generator=generator)[self.samples_seen:].tolist()
         return iter(left[self.rank:len(self) * self.num_replicas:self.num_replicas])
 
@@ -77,12 +75,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class UnpaddedDistributedSampler(Sampler[int]):
-    """Deal indices round-robin (rank r gets r, r+N, r+2N, ...) without padding.
-
-    DistributedSampler pads every rank to the same length by repeating samples (11 samples on 2 ranks
-    become 12), which is right for training but would count the repeated images twice in validation.
-    Here ranks may get one sample less, so correct/total summed over ranks is exact.
-    """
+    """Deal indices round-robin (rank r gets r, r+N, r+2N, ...) without padding (see the module's docstring)."""
 
     def __init__(self, dataset_size: int, num_replicas: int, rank: int) -> None:
         self.dataset_size, self.num_replicas, self.rank = dataset_size, num_replicas, rank
@@ -101,20 +94,17 @@ def build_loaders(train_set: Dataset, val_set: Dataset, batch_size: int, ctx: Di
     if per_process < batch_size:
         raise UserInputError(f"--batch-size {batch_size}: larger than the {per_process} training images "
                              f"each of the {ctx.world_size} process(es) gets")
-    # Each process trains on its own share of every epoch's shuffle. With one process it is just a
-    # seeded shuffle; using it there too makes the order depend only on seed and epoch.
-    train_sampler = ResumableDistributedSampler(train_set, ctx.world_size, ctx.rank, seed)
-    val_sampler = UnpaddedDistributedSampler(len(val_set), ctx.world_size, ctx.rank)
     workers = default_workers(ctx) if workers is None else workers
-    common = dict(num_workers=workers, pin_memory=ctx.device.type == "cuda", persistent_workers=workers > 0,
-                  multiprocessing_context=loader_start_method(workers), worker_init_fn=leave_signals_to_the_trainer,
+    common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
+                  persistent_workers=workers > 0, multiprocessing_context=loader_start_method(workers),
+                  worker_init_fn=leave_signals_to_the_trainer,
                   # The loader's own seeds come from here, not from the random numbers the augmentations
                   # draw: a run resumed inside an epoch then draws the same augmentations as an unbroken one.
                   generator=torch.Generator().manual_seed(seed + ctx.rank))
     # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
-    train_loader = DataLoader(train_set, batch_size=batch_size, sampler=train_sampler, drop_last=True,
-                              collate_fn=getattr(train_set, "collate_fn", None), **common)
-    val_loader = DataLoader(val_set, batch_size=batch_size, sampler=val_sampler,
+    train_loader = DataLoader(train_set, sampler=ResumableDistributedSampler(train_set, ctx.world_size, ctx.rank, seed),
+                              drop_last=True, collate_fn=getattr(train_set, "collate_fn", None), **common)
+    val_loader = DataLoader(val_set, sampler=UnpaddedDistributedSampler(len(val_set), ctx.world_size, ctx.rank),
                             collate_fn=getattr(val_set, "collate_fn", None), **common)
     print_main(f"Using {workers} data-loader workers per process")
     return train_loader, val_loader
@@ -122,20 +112,14 @@ def build_loaders(train_set: Dataset, val_set: Dataset, batch_size: int, ctx: Di
 
 @contextmanager
 def workers_ended(*loaders: DataLoader) -> Iterator[None]:
-    """End the loaders' worker processes when the block ends, however it ends, and at once.
-
-    Left to the garbage collector, a loader whose workers persist between epochs ends them only after 5 s
-    each (torch's MP_STATUS_CHECK_INTERVAL): the collector closes the loader's queues before the loader
-    sends its workers the word to stop, and each worker waits out its timeout. Ended here, while the queues
-    are open, they go in a fraction of a second. A loader iterated again afterwards starts new workers.
-    """
+    """End the loaders' worker processes when the block ends, however it ends, and at once."""
     try:
         yield
     finally:
         for loader in loaders:
-            # torch has no public call for this: `_iterator` is the persistent workers' iterator (None without)
+            # No public call for it: `_iterator` holds persistent workers (iterated again, the loader starts anew)
             iterator, loader._iterator = getattr(loader, "_iterator", None), None
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            if hasattr(iterator, "_shutdown_workers"):
                 iterator._shutdown_workers()
 
 
@@ -147,20 +131,15 @@ SIGNALS_LEFT_TO_THE_TRAINER = (signal.SIGINT, *STOP_SIGNALS)
 
 
 def default_workers(ctx: DistContext) -> int:
-    """Data-loader processes per training process: this process's share of the usable CPUs, less one for
-    the training process itself, which feeds the GPU.
-
-    On a CPU the training itself wants every core, so the loaders get only what is left over.
-    """
+    """Data-loader processes per training process: its share of the usable CPUs, less one for itself."""
     per_process = max(1, usable_cpus() // ctx.local_world_size)
-    if ctx.device.type == "cuda":
+    if ctx.device.type == "cuda":  # one CPU left to the training process, which feeds the GPU
         return max(1, min(MAX_GPU_WORKERS, per_process - 1))
-    return min(4, per_process // 4)
+    return min(4, per_process // 4)  # on a CPU training wants every core: the loaders get what is left over
 
 
 def loader_start_method(workers: int) -> multiprocessing.context.BaseContext | None:
-    """Fork data-loader workers on Linux, even inside processes started by spawn (whose children would
-    otherwise be spawned too, each importing torch again: seconds per worker)."""
+    """Fork data-loader workers on Linux (see the module's docstring), with the stop signals blocked."""
     return WorkerForkContext() if workers > 0 and sys.platform == "linux" else None
 
 

@@ -141,6 +141,10 @@ def test_collate_fn_stacks_and_pickles_by_name() -> None:
     images, labels = collate_fn(batch)
     assert images.shape == (2, 3, 4, 4) and labels.tolist() == [1, 2]
     assert pickle.loads(pickle.dumps(MyDataSet.collate_fn)) is collate_fn
+    from my_dataset import build_transforms
+
+    dataset = pickle.loads(pickle.dumps(MyDataSet(["a.jpg"], [0], build_transforms(16)[0])))  # for spawned workers
+    assert dataset.images_path[0] == "a.jpg" and dataset.reduction(4032, 3024) == 8
 
 
 def test_plot_data_loader_image_saves_a_png(image_folder: Path, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from my_dataset import (
     collate_fn,
     decode_reduction,
     decode_rgb,
-    decode_transformed_reduced,
+    decode_transformed,
     load_rgb,
 )
 from utils import read_split_data
@@ -300,16 +300,24 @@ def test_a_large_jpeg_is_decoded_no_larger_than_the_transform_needs_and_ends_the
                 levels = (reduced.float() - full.float()).abs().mean()
                 assert levels < limit, f"{file.name}, seed {seed}: {levels:.2f} levels off on average"
                 torch.manual_seed(seed)
-                assert torch.equal(reduced, decode_transformed_reduced(str(file), transform, reduction)), \
+                assert torch.equal(reduced, decode_transformed(str(file), transform, reduction)), \
                     "the dataset decoded every pixel"
     small, train = photo_like(tmp_path / "small.jpg"), build_transforms(224)[0]  # 500 x 375: each pixel is needed
-    assert decode_transformed_reduced(str(small), train, decode_reduction(train)) is None
+    assert decode_reduction(train)(500, 375) == 1
+    torch.manual_seed(0)
+    full = train(decode_rgb(str(small)))
+    torch.manual_seed(0)
+    assert torch.equal(MyDataSet([str(small)], [0], train)[0][0], full), "not the pixels of the whole pipeline"
     assert decode_reduction(v2.Compose([v2.RandomCrop(32), v2.Resize(16)])) is None, "a crop of so many pixels first"
 
     class OwnDecode(MyDataSet):
         decode = staticmethod(lambda path: torch.zeros(3, 500, 500, dtype=torch.uint8))
 
     assert OwnDecode([str(path)], [0], train)[0][0].max() == 0, "a decode of one's own was passed over"
+    dataset = MyDataSet([str(path)], [0], train)
+    dataset.decode = lambda path: torch.zeros(3, 500, 500, dtype=torch.uint8)
+    assert dataset[0][0].max() == 0, "a decode of one's own, set on the dataset, was passed over"
+    assert MyDataSet([str(path)], [0], v2.RandomResizedCrop(64))[0][0].shape == (3, 64, 64), "a transform alone"
 
 
 def sideways_exif() -> bytes:
