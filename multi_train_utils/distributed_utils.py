@@ -1,16 +1,22 @@
-"""Who this process is, and the process group it trains in: the launcher's variables read once, the device,
-joining and leaving the group, the rank helpers, the collectives the rest of the code uses, and the DDP wrapper.
+"""Who this process is, and the process group it trains in: the launcher's variables read once, the device and
+the CPU threads, joining and leaving the group, the rank helpers, the collectives the rest of the code uses, and
+the DDP wrapper.
 
-Everything here also works with one process and no process group, so the training code never has to
-ask "am I distributed?" before printing, saving or reducing. Reading the launcher (detect_launch) is a pure
-function of the environment it is given, so every launcher (torchrun, the legacy torch.distributed.launch,
-srun, torch.multiprocessing.spawn, plain python) is tested without starting one.
+Everything here also works with one process and no process group, so the training code never has to ask "am I
+distributed?" before printing, saving or reducing. Reading the launcher (detect_launch) is a pure function of the
+environment it is given, so every launcher (torchrun, the legacy torch.distributed.launch, srun,
+torch.multiprocessing.spawn, plain python) is tested without starting one.
+
+A mistake found before the processes meet (process_context) is found by every process alike, and rank 0 alone
+says it; where they never meet (GroupNotFormedError), each says so itself (shutdown.end_run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
+import math
 import os
 import re
 import socket
@@ -27,75 +33,94 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from .errors import UserInputError, report, signals_end_the_wait
-from .versions import abort_process_group, uncompiled
+from .versions import abort_process_group
 
 # SLURM gives no port; every job on a node needs its own, so derive one from the job id.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_RANGE = 10000
+# The flag that sets how many processes run on one machine, by launcher: what a user must change.
+PROCESSES_PER_MACHINE_FLAG = {"torchrun": "--nproc_per_node", "slurm": "--ntasks-per-node", "spawn": "--world-size"}
+COMM_HOOKS = ("none", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
 class Launch:
     """Who this process is, as told by whatever started it."""
-
     rank: int
     local_rank: int
     world_size: int
     local_world_size: int
     source: str  # "torchrun", "slurm", "spawn" or "single"
-    master_addr: str | None = None
-    master_port: int | None = None
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What the rest of the program needs to know about its process, computed once at set-up."""
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    distributed: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0  # the one process that prints, logs and writes files
+
+    @property
+    def runs_on(self) -> str:
+        """Where it computes, for the start line: the GPU, or the CPU and each process's threads."""
+        if self.device.type == "cpu":
+            return f"cpu, {torch.get_num_threads()} thread(s) per process"
+        return self.device.type if self.distributed else str(self.device)
 
 
 def detect_launch(env: Mapping[str, str], spawn_rank: int | None = None,
                   spawn_world_size: int | None = None) -> Launch:
-    """Read the ranks from whoever started this process. Pure: reads `env`, changes nothing.
-
-    A rank handed in by `torch.multiprocessing.spawn` wins, because it is the most explicit (a spawn
-    script started inside a SLURM allocation must not pick up SLURM's ranks). Then torchrun (and the
-    legacy `torch.distributed.launch`, which sets the same variables), then SLURM's `srun`.
-    """
+    """Who started this process, read from `env` alone: torch.multiprocessing.spawn's rank (also inside a SLURM
+    allocation), else torchrun's (and the legacy torch.distributed.launch's), else srun's, else nobody's."""
     if spawn_rank is not None:
-        if spawn_world_size is None:
-            raise ValueError("spawn_world_size is needed with spawn_rank")
         return Launch(spawn_rank, spawn_rank, spawn_world_size, spawn_world_size, "spawn")
-    if ("RANK" in env) != ("WORLD_SIZE" in env):
-        # A launcher that lost one of the two would start N processes that each train alone, into one folder.
-        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
-        raise UserInputError(f"{given}={env[given]} is set but {missing} is not: a launcher sets both (torchrun "
-                             f"does); set {missing} too, or unset {given} to train in one process")
-    if "RANK" in env and "WORLD_SIZE" in env:
-        # torchrun also says how many of the processes share this machine. Whoever sets RANK and WORLD_SIZE
-        # alone (a cluster operator that starts one process per container) starts one per machine.
+    if ("RANK" in env) != ("WORLD_SIZE" in env):  # N processes would each train alone, into one folder
+        raise half_of_rank_and_world_size(env)
+    if "RANK" in env:  # torchrun; whoever sets RANK and WORLD_SIZE alone (a PyTorchJob) starts one per machine
         return Launch(env_number(env, "RANK"), env_number(env, "LOCAL_RANK", 0), env_number(env, "WORLD_SIZE"),
                       env_number(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        # Only srun sets SLURM_STEP_NUM_TASKS. A batch script or an salloc shell also has SLURM_PROCID=0
-        # and the allocation's SLURM_NTASKS, but no other tasks will come: there we run as one process.
-        world_size = env_number(env, "SLURM_STEP_NUM_TASKS")
-        nodes = env_number(env, "SLURM_STEP_NUM_NODES", env_number(env, "SLURM_NNODES", 1))
-        job_id = env_number(env, "SLURM_JOB_ID", 0)
-        node_list = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST")))
-        return Launch(
-            rank=env_number(env, "SLURM_PROCID"),
-            local_rank=env_number(env, "SLURM_LOCALID", 0),
-            world_size=world_size,
-            local_world_size=max(1, world_size // max(1, nodes)),
-            source="slurm",
-            master_addr=env.get("MASTER_ADDR") or (first_host(node_list) if node_list else "127.0.0.1"),
-            master_port=env_number(env, "MASTER_PORT", SLURM_PORT_BASE + job_id % SLURM_PORT_RANGE),
-        )
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun; in sbatch or salloc alone, one process
+        return slurm_launch(env)
     return Launch(0, 0, 1, 1, "single")
+
+
+def half_of_rank_and_world_size(env: Mapping[str, str]) -> UserInputError:
+    given, missing = ("RANK", "WORLD_SIZE") if "RANK" in env else ("WORLD_SIZE", "RANK")
+    return UserInputError(f"{given}={env[given]} is set but {missing} is not: a launcher sets both (torchrun does); "
+                          f"set {missing} too, or unset {given} to train in one process")
+
+
+def slurm_launch(env: Mapping[str, str]) -> Launch:
+    """A task of srun (only srun sets SLURM_STEP_NUM_TASKS): the step's tasks, spread evenly over its nodes."""
+    world_size = env_number(env, "SLURM_STEP_NUM_TASKS")
+    nodes = env_number(env, "SLURM_STEP_NUM_NODES", env_number(env, "SLURM_NNODES", 1))
+    return Launch(env_number(env, "SLURM_PROCID"), env_number(env, "SLURM_LOCALID", 0), world_size,
+                  max(1, world_size // max(1, nodes)), "slurm")
+
+
+def srun_meeting_point(env: Mapping[str, str]) -> dict[str, str]:
+    """Where the tasks of srun meet, which SLURM does not say: MASTER_ADDR and MASTER_PORT where set, else the
+    step's first node and a port derived from the job id (every job on a node needs its own)."""
+    node_list = env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST")))
+    port = env_number(env, "MASTER_PORT", SLURM_PORT_BASE + env_number(env, "SLURM_JOB_ID", 0) % SLURM_PORT_RANGE)
+    return {"MASTER_ADDR": env.get("MASTER_ADDR") or (first_host(node_list) if node_list else "127.0.0.1"),
+            "MASTER_PORT": str(port)}
 
 
 def env_number(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     """A launcher's variable that must be a whole number 0 or more; `default` where it is not set."""
     if name not in env and default is not None:
         return default
-    value = env[name]
-    if not value.strip().isdigit():
-        raise UserInputError(f"{name}={value}: a launcher's variable that must be a whole number (0 or more)")
-    return int(value)
+    if not env[name].strip().isdigit():
+        raise UserInputError(f"{name}={env[name]}: a launcher's variable that must be a whole number (0 or more)")
+    return int(env[name])
 
 
 def first_host(node_list: str) -> str:
@@ -104,22 +129,13 @@ def first_host(node_list: str) -> str:
     if not match:
         raise UserInputError(f"cannot read the SLURM node list {node_list!r}")
     prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
-# The flag that sets how many processes run on one machine, by launcher: what a user must change.
-PROCESSES_PER_MACHINE_FLAG = {"torchrun": "--nproc_per_node", "slurm": "--ntasks-per-node", "spawn": "--world-size"}
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
 def check_one_gpu_per_process(launch: Launch, visible_gpus: int, env: Mapping[str, str]) -> None:
-    """Refuse, before any process group exists, more processes on this machine than GPUs they can tell apart.
-
-    Two processes on one GPU make NCCL fail inside init_process_group ("Duplicate GPU detected"). One
-    exception: srun may show each task only its own GPU (--gpus-per-task=1), so a task that sees one GPU
-    trusts SLURM, unless SLURM itself says the node has fewer GPUs than tasks.
-    """
+    """Refuse, before any process group exists, more processes on this machine than GPUs they can tell apart
+    (NCCL would fail inside init_process_group: "Duplicate GPU detected"). A task of srun that sees one GPU
+    (--gpus-per-task=1) trusts SLURM, unless SLURM itself says the node has fewer GPUs than tasks."""
     if launch.local_world_size <= visible_gpus:
         return
     if launch.source == "slurm" and visible_gpus == 1:
@@ -134,63 +150,27 @@ def check_one_gpu_per_process(launch: Launch, visible_gpus: int, env: Mapping[st
 
 
 def usable_cpus(cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int:
-    """The CPUs this process may use: those it may run on (a cpuset, SLURM's binding, taskset), and no more
-    than its cgroup's CPU quota allows (a container's `--cpus` or Kubernetes' CPU limit, which the
-    affinity mask does not show), not the machine's core count."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS and Windows have no affinity masks, nor cgroups
+    """The CPUs this process may run on (its affinity mask), within its cgroups' CPU quota, which the mask hides."""
+    if not hasattr(os, "sched_getaffinity"):  # macOS and Windows have no affinity masks, nor cgroups
         return os.cpu_count() or 1
-    quota = cgroup_cpu_quota(cgroups, own)
-    return max(1, min(cpus, int(quota))) if quota is not None else cpus
+    cpus = len(os.sched_getaffinity(0))
+    with contextlib.suppress(OSError):
+        for line in own.read_text().splitlines():  # v2: "0::/its/path"; v1: "4:cpu,cpuacct:/its/path"
+            _, controllers, path = line.split(":", 2)
+            here = cgroups / controllers / path.lstrip("/")  # in a container, its own cgroup is the mount's root
+            for level in [here, *here.parents][:len(Path(path).parts)]:
+                cpus = min(cpus, cgroup_cpu_quota(level))
+    return max(1, int(cpus))
 
 
-def cgroup_cpu_quota(cgroups: Path, own: Path) -> float | None:
-    """The CPUs a quota grants this process's cgroup, or its nearest limited ancestor's (cgroup v2's cpu.max,
-    v1's cpu.cfs_quota_us over cpu.cfs_period_us); None without a quota, or where there are no cgroups."""
-    try:
-        lines = own.read_text().splitlines()
-    except OSError:
-        return None
-    quotas = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one hierarchy, the cpu controller's files in every cgroup
-            folder, read = cgroups, read_cpu_max
-        elif "cpu" in controllers.split(","):
-            folder = next((cgroups / name for name in (controllers, "cpu", "cpu,cpuacct") if (cgroups / name).is_dir()),
-                          None)
-            read = read_cfs_quota
-            if folder is None:
-                continue
-        else:
-            continue
-        # Inside a container the cgroup's own folder is the mount's root; elsewhere, the path below it.
-        here = folder / path.lstrip("/")
-        for level in [here, *here.parents]:
-            if level == folder.parent:
-                break
-            quota = read(level)
-            if quota is not None:
-                quotas.append(quota)
-    return min(quotas) if quotas else None
-
-
-def read_cpu_max(folder: Path) -> float | None:
-    try:
-        quota, period = (folder / "cpu.max").read_text().split()
-    except (OSError, ValueError):
-        return None
-    return None if quota == "max" else int(quota) / int(period)
-
-
-def read_cfs_quota(folder: Path) -> float | None:
-    try:
-        quota = int((folder / "cpu.cfs_quota_us").read_text())
-        period = int((folder / "cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if quota <= 0 or period <= 0 else quota / period
+def cgroup_cpu_quota(level: Path) -> float:
+    """The CPUs one cgroup's quota grants (v2: cpu.max; v1: cpu.cfs_quota_us over cpu.cfs_period_us); inf if none."""
+    v2, v1 = level / "cpu.max", level / "cpu.cfs_quota_us"
+    with contextlib.suppress(OSError, ValueError):  # no such files, or no quota (v2's "max", v1's -1)
+        text = v2.read_text() if v2.is_file() else v1.read_text() + v1.with_name("cpu.cfs_period_us").read_text()
+        quota, period = map(int, text.split())
+        return quota / period if quota > 0 else math.inf
+    return math.inf
 
 
 def cpu_threads_per_process(local_world_size: int) -> int:
@@ -200,76 +180,46 @@ def cpu_threads_per_process(local_world_size: int) -> int:
 
 def cpu_threads_for(launch: Launch, env: Mapping[str, str]) -> int:
     """This process's share of the cores: OMP_NUM_THREADS where the user set it; SLURM's --cpus-per-task for a
-    task of srun (whether or not SLURM binds each task to cores of its own: without that, each would take all
-    the node's); else the usable CPUs shared by the processes on this machine."""
-    asked = env.get("OMP_NUM_THREADS", "")
-    users_own = launch.source != "torchrun" or set_before_the_launcher("OMP_NUM_THREADS")
-    if asked.isdigit() and int(asked) > 0 and users_own:
+    task of srun (bound to cores of its own or not); else the usable CPUs shared by the machine's processes."""
+    asked, per_task = env.get("OMP_NUM_THREADS", ""), env.get("SLURM_CPUS_PER_TASK", "")
+    if asked.isdigit() and int(asked) > 0 and (
+            launch.source != "torchrun" or set_before_the_launcher("OMP_NUM_THREADS")):  # not torchrun's own 1
         return int(asked)
-    cpus_per_task = env.get("SLURM_CPUS_PER_TASK", "")
-    if launch.source == "slurm" and cpus_per_task.isdigit() and int(cpus_per_task) > 0:
-        return min(int(cpus_per_task), usable_cpus())
+    if launch.source == "slurm" and per_task.isdigit() and int(per_task) > 0:
+        return min(int(per_task), usable_cpus())
     return cpu_threads_per_process(launch.local_world_size)
 
 
 def set_before_the_launcher(name: str) -> bool:
     """Whether `name` was in the environment the launcher (this process's parent) started with: torchrun sets
-    OMP_NUM_THREADS=1 for its processes where the user did not, which is no choice of the user's. Linux keeps
-    a process's starting environment in /proc; elsewhere, what a process got counts as the user's."""
+    OMP_NUM_THREADS=1 where the user did not. Without /proc, what a process got counts as the user's."""
     try:
         return f"\0{name}=".encode() in b"\0" + Path(f"/proc/{os.getppid()}/environ").read_bytes()
     except OSError:
         return True
 
 
-@dataclass(frozen=True)
-class DistContext:
-    """What the rest of the program needs to know about its process, computed once at set-up."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: torch.device
-    distributed: bool
-
-    @property
-    def is_main(self) -> bool:
-        # Rank 0 is the one process that prints, logs and writes files.
-        return self.rank == 0
-
-    @property
-    def runs_on(self) -> str:
-        """Where it computes, for the start line: the GPU (its kind, with several processes), or the CPU and
-        how many threads each process computes with."""
-        if self.device.type == "cpu":
-            return f"cpu, {torch.get_num_threads()} thread(s) per process"
-        return self.device.type if self.distributed else str(self.device)
-
-
 def resolve_device(requested: str | None, local_rank: int, distributed: bool) -> torch.device:
     """`--device`: auto (CUDA when present), cpu, cuda, cuda:N, a bare GPU index, or mps (one process)."""
     if requested in (None, "", "auto"):
         requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device("cpu") if requested == "cpu" else accelerator(requested, local_rank, distributed)
+
+
+def accelerator(requested: str, local_rank: int, distributed: bool) -> torch.device:
+    """A --device other than cpu: this process's GPU (with several processes, the GPU of its local rank, or the only
+    one it sees: srun --gpus-per-task=1), or Apple's."""
     try:
         device = torch.device(f"cuda:{requested}" if requested.isdigit() else requested)
     except RuntimeError:
         raise UserInputError(f"--device {requested!r}: expected auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cpu":
-        return device
-    if device.type == "mps":
-        return apple_gpu()
+    if device.type in ("cpu", "mps"):
+        return device if device.type == "cpu" else apple_gpu()
     if device.type != "cuda":
         raise UserInputError(f"--device {requested!r}: only cpu, cuda and mps are supported")
-    return cuda_device(requested, device.index, local_rank, distributed)
-
-
-def cuda_device(requested: str, index: int | None, local_rank: int, distributed: bool) -> torch.device:
-    """This process's GPU. With several processes on a node, each one takes the GPU of its local rank; where the
-    scheduler shows each process only its own GPU (srun --gpus-per-task=1), that one."""
     if not torch.cuda.is_available():
         raise UserInputError(f"--device {requested}: no CUDA GPU is visible (use --device cpu)")
-    index = (local_rank if torch.cuda.device_count() > 1 else 0) if distributed else (index or 0)
+    index = (local_rank if torch.cuda.device_count() > 1 else 0) if distributed else (device.index or 0)
     if index >= torch.cuda.device_count():
         raise UserInputError(f"--device {requested}: GPU {index} asked for, "
                              f"but only {torch.cuda.device_count()} visible")
@@ -277,22 +227,48 @@ def cuda_device(requested: str, index: int | None, local_rank: int, distributed:
 
 
 def apple_gpu() -> torch.device:
-    """The GPU of Apple silicon, for one process (the multi-process scripts refuse it: DDP has no backend
-    that runs on it)."""
+    """The GPU of Apple silicon, for one process (DDP has no backend that runs on it)."""
     if not torch.backends.mps.is_available():
         raise UserInputError("--device mps: no Apple GPU is available here (use --device cpu)")
     return torch.device("mps")
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` this process's GPU, once, at set-up."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True  # the input size is fixed: cuDNN times its algorithms, keeps the fastest
+
+
+def single_process(device: str | None = None) -> DistContext:
+    """The context of a plain one-process run, whatever the environment says."""
+    ctx = DistContext(0, 0, 1, 1, resolve_device(device, 0, distributed=False), distributed=False)
+    if ctx.device.type == "cpu":  # torch's own count is the machine's cores, whatever a container's quota says
+        torch.set_num_threads(cpu_threads_for(Launch(0, 0, 1, 1, "single"), os.environ))
+    use_device(ctx.device)
+    return ctx
+
+
+def process_context(launch: Launch, device: str | None) -> DistContext:
+    """This process's rank and device, its share of the CPU cores, its GPU."""
+    distributed = launch.source != "single"
+    if distributed and resolve_device(device, 0, distributed=False).type == "cuda":
+        check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
+    ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
+                      resolve_device(device, launch.local_rank, distributed), distributed)
+    if ctx.device.type == "cpu":  # every process otherwise starts one thread per core, and they fight
+        torch.set_num_threads(cpu_threads_for(launch, os.environ))
+    use_device(ctx.device)
+    return ctx
+
+
 def process_group_backend(device: torch.device) -> str:
-    """NCCL between GPUs where it exists; gloo on CPUs and on Windows, whose PyTorch has no NCCL (gloo
-    all-reduces CUDA tensors too, through host memory)."""
+    """NCCL between GPUs; gloo on CPUs and on Windows, whose PyTorch has no NCCL (gloo reduces CUDA tensors too)."""
     return "nccl" if device.type == "cuda" and sys.platform != "win32" else "gloo"
 
 
 def tcp_store_uses_libuv() -> bool:
-    """Whether the TCPStore the processes meet in may use libuv: not on Windows, where PyTorch is built
-    without it (and releases before 2.5 still asked for it there by default, and failed)."""
+    """Not on Windows, whose PyTorch is built without libuv (and before 2.5 still asked for it there, and failed)."""
     return sys.platform != "win32"
 
 
@@ -309,39 +285,117 @@ def init_distributed_mode(device: str | None = None, dist_url: str = "env://", t
 
 def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_s: float) -> None:
     """init_process_group: NCCL between GPUs, gloo on CPUs; the processes meet where the launcher says."""
-    if launch.master_addr is not None:
-        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
+    if launch.source == "slurm":
+        os.environ.update(srun_meeting_point(os.environ))
     if not tcp_store_uses_libuv():
         os.environ.setdefault("USE_LIBUV", "0")  # read by the store init_process_group makes for env://
     if dist_url == "env://":  # set by every launcher; by hand, with RANK and WORLD_SIZE, easily forgotten
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(name):
-                raise UserInputError(f"{name} is not set: the processes meet at MASTER_ADDR:MASTER_PORT (rank 0's "
-                                     "address and a free port), which a launcher such as torchrun sets")
+                raise meeting_point_unset(name)
         env_number(os.environ, "MASTER_PORT")
     backend = process_group_backend(ctx.device)
-    if backend == "gloo":
-        chosen = choose_gloo_interface(launch, os.environ)
-        if chosen and ctx.local_rank == 0:
-            report(chosen, sys.stdout)
+    if backend == "gloo" and launch.world_size > launch.local_world_size:  # several machines
+        choose_gloo_interface(os.environ, says=ctx.local_rank == 0)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         with signals_end_the_wait(ctx.rank, "while the processes were meeting"):
             store = restart_safe_store(ctx, timeout) if dist_url == "env://" else None
-            dist.init_process_group(
-                backend=backend, init_method=None if store else dist_url, store=store, world_size=ctx.world_size,
-                rank=ctx.rank, timeout=timeout, device_id=ctx.device if backend == "nccl" else None,
-            )
+            dist.init_process_group(backend=backend, init_method=None if store else dist_url, store=store,
+                                    world_size=ctx.world_size, rank=ctx.rank, timeout=timeout,
+                                    device_id=ctx.device if backend == "nccl" else None)
     except RuntimeError as err:
-        if port_was_taken(err):
-            raise UserInputError(port_taken_line(os.environ.get("MASTER_PORT"))) from None
-        missing = processes_missing_line(err, ctx, timeout_s)
-        if missing is None:
-            raise
-        raise GroupNotFormedError(missing) from None
+        raise_meeting_failure(err, ctx, timeout_s)
+        raise
     report(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
            f"local rank {ctx.local_rank}, {ctx.device}", sys.stdout)  # every rank: one write each, never run together
+
+
+def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun, the store the processes meet in, with a prefix per restart attempt: torchrun keeps one store
+    for all attempts, where the new processes would read what the dead ones left ("connectFullMesh failed")."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and ctx.rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ctx.world_size,
+                          is_master=hosts_store, timeout=timeout, use_libuv=tcp_store_uses_libuv())
+    return dist.PrefixStore(f"attempt{attempt}", store)
+
+
+def meeting_point_unset(name: str) -> UserInputError:
+    return UserInputError(f"{name} is not set: the processes meet at MASTER_ADDR:MASTER_PORT (rank 0's address and "
+                          "a free port), which a launcher such as torchrun sets")
+
+
+class GroupNotFormedError(UserInputError):
+    """The processes never met: each says so itself, since none can count on another to."""
+
+
+def raise_meeting_failure(err: RuntimeError, ctx: DistContext, timeout_s: float) -> None:
+    """Raise the one-line error for processes that could not meet: their port was taken, or some never came."""
+    if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+        raise UserInputError(port_taken_line(os.environ.get("MASTER_PORT"))) from None
+    missing = processes_missing_line(err, ctx, timeout_s)
+    if missing is not None:
+        raise GroupNotFormedError(missing) from None
+
+
+def port_taken_line(port: str | None) -> str:
+    if os.environ.get("MASTER_PORT_CHOSEN_BY") == "spawn":  # free when chosen, taken a moment later
+        return (f"port {port}, free when the spawn script chose it, was taken by another program before the "
+                "processes met there; start the job again")
+    return (f"MASTER_PORT {port}: another program listens on that port; choose a free one, or unset "
+            "MASTER_PORT for the spawn script to pick one")
+
+
+def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: float) -> str | None:
+    """For a group that never formed within --dist-timeout: on rank 0, how many of the processes came (the store
+    counts them); on the others, that rank 0's address did not answer. None for other errors."""
+    message, address = str(err), meeting_point()
+    joined = re.search(r"(\d+)/(\d+) clients joined", message)
+    if joined:
+        return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
+                f"{timeout_s:g} s (WORLD_SIZE={ctx.world_size}): start every rank (torchrun --nproc_per_node "
+                f"starts them all), or check that the other machines reach MASTER_ADDR:MASTER_PORT {address}")
+    if re.search(r"failed to connect|connection refused|timed out|timeout", message, re.IGNORECASE):
+        return (f"rank {ctx.rank} could not reach rank 0's MASTER_ADDR:MASTER_PORT {address} within "
+                f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
+                "(not 127.0.0.1 from another machine)?")
+    return None
+
+
+def meeting_point() -> str:
+    """MASTER_ADDR:MASTER_PORT, where the processes of an env:// group meet (rank 0's store), or "" unset."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"{host}:{port}" if host and port else ""
+
+
+def choose_gloo_interface(env: MutableMapping[str, str], says: bool) -> None:
+    """On several machines: where this machine's name resolves to loopback (127.0.1.1 in /etc/hosts, the default of
+    many images), gloo gives the others an address they cannot reach, and every process waits until --dist-timeout.
+    Unless GLOO_SOCKET_IFNAME names one, the interface that routes to MASTER_ADDR is chosen (on MASTER_ADDR's own
+    machine: its only other interface, or its default route's), and the process that `says` says so; where none
+    is found, one line names the host and the fix."""
+    if "GLOO_SOCKET_IFNAME" in env or not own_name_is_loopback():
+        return
+    try:
+        master_ip = socket.gethostbyname(env.get("MASTER_ADDR", ""))
+    except OSError:
+        master_ip = ""
+    chosen = interface_towards(master_ip) if master_ip and not is_loopback(master_ip) else None
+    if chosen is None:  # this is MASTER_ADDR's machine (or its name is loopback here too)
+        others = [name for name, ip in interface_addresses().items() if not is_loopback(ip)]
+        chosen = others[0] if len(others) == 1 else interface_towards("192.0.2.1")  # TEST-NET: the default route
+    if chosen is None:
+        raise GroupNotFormedError(
+            f"this machine's name, {socket.gethostname()}, resolves to a loopback address, which the other "
+            "machines cannot reach, and no network interface towards them was found; set GLOO_SOCKET_IFNAME to "
+            "the interface they reach this machine through (see `ip -o -4 addr`)")
+    env["GLOO_SOCKET_IFNAME"] = chosen
+    if says:
+        report(f"| {socket.gethostname()} resolves to a loopback address: gloo uses the network interface "
+               f"{chosen} (set GLOO_SOCKET_IFNAME to choose another)", sys.stdout)
 
 
 def is_loopback(address: str) -> bool:
@@ -349,8 +403,7 @@ def is_loopback(address: str) -> bool:
 
 
 def own_name_is_loopback() -> bool:
-    """Whether this machine's name resolves to a loopback address (127.0.1.1 in /etc/hosts is the default of
-    many images), which gloo then tells the other machines to reach this one at."""
+    """Whether this machine's name resolves to a loopback address only."""
     try:
         return all(is_loopback(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None))
     except OSError:
@@ -358,8 +411,8 @@ def own_name_is_loopback() -> bool:
 
 
 def interface_towards(address: str) -> str | None:
-    """The name of the network interface this machine reaches `address` through, by the routing table (a
-    UDP socket's connect sends nothing); None if no route leads there or the interface cannot be named."""
+    """The network interface this machine reaches `address` through, by the routing table (a UDP socket's
+    connect sends nothing); None if no route leads there or the interface cannot be named."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((address, 9))
@@ -383,120 +436,6 @@ def interface_addresses() -> dict[str, str]:
                 continue  # no IPv4 address
             found[name] = socket.inet_ntoa(packed[20:24])
     return found
-
-
-def choose_gloo_interface(launch: Launch, env: MutableMapping[str, str]) -> str | None:
-    """Where the machine's name resolves to loopback, gloo would give the other machines an address they
-    cannot reach, and every process would wait until --dist-timeout. Unless GLOO_SOCKET_IFNAME says which
-    interface to use, the one that routes to MASTER_ADDR is chosen (on MASTER_ADDR's own machine, the one
-    that routes to the other machines: its only other interface, or its default route's). Returns the line
-    that says so, or None where there is nothing to choose (one machine, a name that resolves, the variable
-    set). Where none can be found, one line names the host and the fix."""
-    if "GLOO_SOCKET_IFNAME" in env or launch.world_size == launch.local_world_size or not own_name_is_loopback():
-        return None
-    master = env.get("MASTER_ADDR", "")
-    try:
-        master_ip = socket.gethostbyname(master)
-    except OSError:
-        master_ip = ""
-    chosen = interface_towards(master_ip) if master_ip and not is_loopback(master_ip) else None
-    if chosen is None:  # this is MASTER_ADDR's machine (or its name is loopback here too)
-        others = [name for name, ip in interface_addresses().items() if not is_loopback(ip)]
-        chosen = others[0] if len(others) == 1 else interface_towards("192.0.2.1")  # TEST-NET: the default route
-    if chosen is None:
-        raise GroupNotFormedError(
-            f"this machine's name, {socket.gethostname()}, resolves to a loopback address, which the other "
-            "machines cannot reach, and no network interface towards them was found; set GLOO_SOCKET_IFNAME to "
-            "the interface they reach this machine through (see `ip -o -4 addr`)")
-    env["GLOO_SOCKET_IFNAME"] = chosen
-    return (f"| {socket.gethostname()} resolves to a loopback address: gloo uses the network interface "
-            f"{chosen} (set GLOO_SOCKET_IFNAME to choose another)")
-
-
-class GroupNotFormedError(UserInputError):
-    """The processes never met: each says so itself, since none can count on another to (shutdown.end_run)."""
-
-
-def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: float) -> str | None:
-    """The line for a group that never formed within --dist-timeout: on rank 0, how many of the processes
-    came (the store counts them); on the others, that rank 0's address did not answer. None for other
-    errors."""
-    message, address = str(err), meeting_point()
-    joined = re.search(r"(\d+)/(\d+) clients joined", message)
-    if joined:
-        return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
-                f"{timeout_s:g} s (WORLD_SIZE={ctx.world_size}): start every rank (torchrun --nproc_per_node "
-                f"starts them all), or check that the other machines reach MASTER_ADDR:MASTER_PORT {address}")
-    if re.search(r"failed to connect|connection refused|timed out|timeout", message, re.IGNORECASE):
-        return (f"rank {ctx.rank} could not reach rank 0's MASTER_ADDR:MASTER_PORT {address} within "
-                f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
-                "(not 127.0.0.1 from another machine)?")
-    return None
-
-
-def meeting_point() -> str:
-    """MASTER_ADDR:MASTER_PORT, where the processes of an env:// group meet (rank 0's store), or "" unset."""
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    return f"{host}:{port}" if host and port else ""
-
-
-def process_context(launch: Launch, device: str | None) -> DistContext:
-    """This process's rank and device, its share of the CPU cores, its GPU. A mistake found here is found
-    by every process alike, before they can talk to each other (rank 0 alone says so: shutdown.end_run)."""
-    distributed = launch.source != "single"
-    if distributed and resolve_device(device, 0, distributed=False).type == "cuda":
-        check_one_gpu_per_process(launch, torch.cuda.device_count(), os.environ)
-    ctx = DistContext(launch.rank, launch.local_rank, launch.world_size, launch.local_world_size,
-                      resolve_device(device, launch.local_rank, distributed), distributed)
-    if ctx.device.type == "cpu":  # every process otherwise starts one thread per core, and they fight
-        torch.set_num_threads(cpu_threads_for(launch, os.environ))
-    use_device(ctx.device)
-    return ctx
-
-
-def port_was_taken(err: BaseException) -> bool:
-    return "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
-
-
-def port_taken_line(port: str | None) -> str:
-    if os.environ.get("MASTER_PORT_CHOSEN_BY") == "spawn":  # free when chosen, taken a moment later
-        return (f"port {port}, free when the spawn script chose it, was taken by another program before the "
-                "processes met there; start the job again")
-    return (f"MASTER_PORT {port}: another program listens on that port; choose a free one, or unset "
-            "MASTER_PORT for the spawn script to pick one")
-
-
-def use_device(device: torch.device) -> None:
-    """Make `device` this process's GPU, once, at set-up. cudnn.benchmark: with the fixed input size of
-    training, cuDNN times its convolution algorithms on the first batches and keeps the fastest."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-
-
-def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the key-value store the processes meet in, with a prefix per restart attempt.
-
-    torchrun keeps one store for all attempts of a job. After a restart, the new processes would read
-    the addresses the dead attempt left there and fail to connect (gloo: "connectFullMesh failed");
-    a prefix of their own makes each attempt start clean.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        return None
-    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and ctx.rank == 0
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), ctx.world_size,
-                          is_master=hosts_store, timeout=timeout, use_libuv=tcp_store_uses_libuv())
-    return dist.PrefixStore(f"attempt{attempt}", store)
-
-
-def single_process(device: str | None = None) -> DistContext:
-    """The context of a plain one-process run, whatever the environment says."""
-    ctx = DistContext(0, 0, 1, 1, resolve_device(device, 0, distributed=False), distributed=False)
-    if ctx.device.type == "cpu":  # torch's own count is the machine's cores, whatever a container's quota says
-        torch.set_num_threads(cpu_threads_for(Launch(0, 0, 1, 1, "single"), os.environ))
-    use_device(ctx.device)
-    return ctx
 
 
 def cleanup(failed: bool = False) -> None:
@@ -561,11 +500,8 @@ def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
 
 
 def cpu_side_group(timeout_s: float = 900.0) -> dist.ProcessGroup | None:
-    """A process group for small decisions taken on the host every step (stop? checkpoint?): the default group
-    where it is gloo (CPU tensors), else a gloo group beside NCCL's, so that deciding never makes the CPU wait
-    for the GPU (gloo then needs to reach the other machines too: GLOO_SOCKET_IFNAME names the network
-    interface). None, the default group, where there is no process group or it is gloo's. Every rank must
-    make it, in the same order."""
+    """A gloo group beside NCCL's for the decisions taken on the host every step, which then never wait for the GPU;
+    None (the default group) without NCCL. Every rank must make it, in the same order."""
     if not is_dist_avail_and_initialized() or dist.get_backend() == "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -610,44 +546,30 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-COMM_HOOKS = ("none", "bf16", "fp16")
-
-
 def wrap_ddp(model: nn.Module, ctx: DistContext, sync_bn: bool = False, compile_model: bool = False,
              comm_hook: str = "none", **ddp_options: Any) -> nn.Module:
-    """Put `model` (already on ctx.device) under DDP; with one process, return it unchanged (compiled if
-    asked). `ddp_options` are DistributedDataParallel's own keyword arguments (bucket_cap_mb,
-    find_unused_parameters, static_graph, ...).
+    """`model` (already on ctx.device) under DDP, whose constructor gives every rank rank 0's weights; with one
+    process, the model itself (compiled if asked). `ddp_options`: DistributedDataParallel's keyword arguments."""
+    if sync_bn and sync_bn_switched_on(ctx):  # after the device move and before DDP, which then registers them
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if compile_model:  # after the SyncBatchNorm swap, which a compiled graph would not see; DDP's hooks work alike
+        model = torch.compile(model)
+    if not ctx.distributed:
+        return model
+    # gradient_as_bucket_view: the gradients live in DDP's all-reduce buffers, one copy of them instead of two
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                  **{"gradient_as_bucket_view": True, **ddp_options})
+    if comm_hook != "none":  # half the bytes each all-reduce sends; the averaged gradient is rounded to 16 bits once
+        ddp.register_comm_hook(dist.group.WORLD, getattr(default_hooks, f"{comm_hook}_compress_hook"))
+    return ddp
 
-    DDP's constructor broadcasts rank 0's parameters and buffers, so every rank starts from the
-    same weights without a shared temporary file.
-    """
-    if sync_bn and not sync_bn_applies(ctx):
+
+def sync_bn_switched_on(ctx: DistContext) -> bool:
+    """Whether --syncBN applies here (sync_bn_applies); where it does not, rank 0 says that it is off."""
+    if not sync_bn_applies(ctx):
         print_main("--syncBN: switched off: PyTorch's SyncBatchNorm runs on CUDA GPUs only, with several processes"
                    "; each process normalises over its own batch.")
-    if not ctx.distributed:
-        return torch.compile(model) if compile_model else model
-    return distributed_model(model, ctx, sync_bn and sync_bn_applies(ctx), compile_model, comm_hook, ddp_options)
-
-
-def distributed_model(model: nn.Module, ctx: DistContext, sync_bn: bool, compile_model: bool, comm_hook: str,
-                      ddp_options: dict[str, Any]) -> DistributedDataParallel:
-    if sync_bn:
-        # Convert after the device move and before DDP, so DDP registers the synchronised layers.
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if compile_model:
-        # Compiled after the SyncBatchNorm swap, which a compiled graph would not see, and before DDP,
-        # whose gradient hooks then fire on the compiled model's parameters as on the plain one's.
-        model = torch.compile(model)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # gradient_as_bucket_view: the gradients live inside DDP's all-reduce buffers, so memory holds one copy
-    # of them instead of two.
-    ddp = DistributedDataParallel(model, device_ids=device_ids, **{"gradient_as_bucket_view": True, **ddp_options})
-    if comm_hook != "none":
-        # Halves the bytes each all-reduce sends; the averaged gradient is rounded to 16 bits once.
-        hook = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}[comm_hook]
-        ddp.register_comm_hook(dist.group.WORLD, hook)
-    return ddp
+    return sync_bn_applies(ctx)
 
 
 def sync_bn_applies(ctx: DistContext) -> bool:
@@ -657,16 +579,14 @@ def sync_bn_applies(ctx: DistContext) -> bool:
 
 
 def normalised_batch(batch_size: int, ctx: DistContext, sync_bn: bool = False) -> int:
-    """The images each BatchNorm layer normalises over in a training step: this process's batch, or under
-    SyncBatchNorm the batches of every process."""
+    """The images each BatchNorm layer normalises over in a step: this process's, or under SyncBatchNorm all's."""
     return batch_size * ctx.world_size if sync_bn and sync_bn_applies(ctx) else batch_size
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP and torch.compile: what gets saved (no `module.` or `_orig_mod.`
-    prefix) and evaluated."""
+    """The plain model inside DDP and torch.compile: what is saved (no `module.`, `_orig_mod.` prefix) and evaluated."""
     model = model.module if isinstance(model, DistributedDataParallel) else model
-    return uncompiled(model)
+    return getattr(model, "_orig_mod", model)  # where torch.compile's wrapper keeps the model it wraps
 
 
 @torch.no_grad()

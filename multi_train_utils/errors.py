@@ -1,6 +1,7 @@
 """The ways a run ends early, as exceptions; the one line that says why; how stop signals and Ctrl-C are caught
 from the first moment; and the refusal of a PyTorch older than supported. Standard library only: the scripts
-import this before anything slow (torch)."""
+import this before anything slow (torch), and the PyTorch check reads torch's version.py instead of importing it
+(torch takes seconds, importlib.metadata a tenth of one, while Ctrl-C is not yet caught)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 from .versions import OLDEST_TORCH, OLDEST_TORCHVISION, dotted
 
@@ -24,27 +25,27 @@ STOP_SIGNALS = (signal.SIGTERM,) if sys.platform == "win32" else (signal.SIGTERM
 # the sbatch script of docs/clusters.md requeues the job on 143.
 REQUEUE_EXIT_CODE = 128 + signal.SIGTERM
 CTRL_C_EXIT_CODE = 128 + signal.SIGINT
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+MAX_LINE = 300  # characters: what a terminal shows in two or three rows
 
 
 def report(line: str, stream: TextIO | None = None) -> None:
-    """Write one line to stderr (or `stream`) in a single write, so lines of several ranks sharing a terminal
-    or a log never run into each other (print writes the text and the newline separately)."""
+    """Write `line` to stderr (or `stream`) in one write: the lines of ranks sharing a log never run together."""
     stream = stream or sys.stderr
     stream.write(line + "\n")
     stream.flush()
 
 
 class UserInputError(ValueError):
-    """Bad data, flag or file. The scripts print it as one line, without a traceback.
+    """Bad data, flag or file, said in one line without a traceback (anything else is our bug, and keeps its own)."""
 
-    Anything else that goes wrong is our bug and keeps its traceback.
-    """
+
+class QuietExit(SystemExit):
+    """The exit of a process whose end another explains: one rank's stop makes the others fail too."""
 
 
 class Terminated(SystemExit):
-    """SIGTERM (or another stop signal) where no training step is coming to stop at, turned into an
-    exception so that `finally` blocks still run: the process group is left, data-loader workers stopped.
-    Exits with 143, as a SIGTERM itself would."""
+    """A stop signal outside the training steps, as an exception (every `finally` runs): exits 143, as SIGTERM."""
 
     def __init__(self, signal_name: str = "SIGTERM") -> None:
         super().__init__(REQUEUE_EXIT_CODE)
@@ -52,17 +53,18 @@ class Terminated(SystemExit):
 
 
 class Preempted(SystemExit):
-    """A stop asked for by a signal, after the checkpoint of the step where every rank stopped was written:
-    every process exits with the code a requeue expects, and rank 0 says `line`."""
+    """A stop at the step where every rank stopped, its checkpoint written: exits 143, rank 0 saying `line`."""
 
     def __init__(self, line: str = "") -> None:
         super().__init__(REQUEUE_EXIT_CODE)
         self.line = line
 
 
-class QuietExit(SystemExit):
-    """The exit of a process whose end another process explains: when one rank stops, the others fail
-    too ("connection closed by peer"), and the user needs the first reason once, not N times."""
+class _Ending:
+    under_way = False  # a stop or a failure is being handled: later stop signals change nothing
+    store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
+    launcher: int | None = None  # the process that started this one, where shutdown watches it
+    python_unraisablehook = sys.unraisablehook
 
 
 def exit_code(err: BaseException) -> int:
@@ -73,10 +75,6 @@ def exit_code(err: BaseException) -> int:
     if isinstance(err, KeyboardInterrupt):
         return CTRL_C_EXIT_CODE
     return 2 if isinstance(err, UserInputError) else 1
-
-
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-MAX_LINE = 300  # characters: what a terminal shows in two or three rows
 
 
 def one_line(err: BaseException) -> str:
@@ -101,114 +99,96 @@ def shortened(line: str, limit: int = MAX_LINE) -> str:
     return line if len(line) <= limit else line[:limit - 6] + " [...]"
 
 
-class _Ending:
-    under_way = False  # a stop or a failure is being handled: later stop signals change nothing
-    store_gone = False  # the key-value store did not answer once (its host has ended): it is not asked again
-    launcher: int | None = None  # the process that started this one, where shutdown watches it
-    python_unraisablehook = sys.unraisablehook
-
-
 def quiet_ctrl_c_while_starting() -> None:
-    """Ctrl-C before the run has set itself up (importing torch alone takes seconds) ends the process with
-    one line and 130, instead of a page of traceback from inside the imports. run_cli replaces this."""
+    """Ctrl-C while the script imports torch (seconds) ends it in one line and 130; run_cli replaces this."""
+    signal.signal(signal.SIGINT, stopped_while_starting)
 
-    def stop(signum: int, frame: object) -> None:
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # a launcher's rank 0 says it
-            report("Stopped by Ctrl-C while starting; nothing was trained")
-        os._exit(CTRL_C_EXIT_CODE)
 
-    signal.signal(signal.SIGINT, stop)
+def stopped_while_starting(signum: int, frame: object) -> None:
+    says = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"  # a launcher's rank 0 says it
+    stopped_before_training(signum, "while starting", says)
+
+
+def stopped_before_training(signum: int, moment: str, says: bool) -> NoReturn:
+    """End the process at once, the one that `says` saying which signal stopped it `moment`: nothing is written."""
+    if says:
+        cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        report(f"Stopped by {cause} {moment}; nothing was trained")
+    os._exit(CTRL_C_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
 
 
 def hold_back_ctrl_c(held: bool) -> None:
-    """Block Ctrl-C in this thread (it waits, and arrives once unblocked), or unblock it. Where there are no
-    signal masks (Windows), nothing."""
+    """Block Ctrl-C in this thread (it arrives once unblocked), or unblock it; not on Windows (no signal masks)."""
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK if held else signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 @contextlib.contextmanager
 def signals_end_the_wait(rank: int, moment: str) -> Iterator[None]:
-    """Ctrl-C and the stop signals end the process at once, with one line from rank 0, while the block waits
-    inside C++ for other processes (nothing is written yet): such a wait returns to Python only when it
-    ends, after --dist-timeout, and a signal that interrupts it only makes it print a page of C++ frames and
-    try again. The main thread holds the signals back meanwhile; Python's own handler, in whichever thread
-    takes them, wakes a thread that ends the process."""
+    """Ctrl-C and the stop signals end the process at once, rank 0 saying so, while the block waits in C++ for the
+    others (a signal there prints C++ frames, and it waits on to --dist-timeout): held back, they wake a watcher."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
         yield
         return
-    import socket  # here: its import takes longer than the scripts may wait before catching Ctrl-C
-
-    reader, writer = socket.socketpair()
-    writer.setblocking(False)
-    signals = (signal.SIGINT, *STOP_SIGNALS)
-    over = threading.Event()
-
-    def end_on_a_signal() -> None:
-        while (received := reader.recv(64)) and not over.is_set():
-            signum = next((number for number in received if number in signals), None)
-            if signum is not None:
-                if rank == 0:
-                    cause = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-                    report(f"Stopped by {cause} {moment}; nothing was trained")
-                os._exit(CTRL_C_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
-
-    watcher = threading.Thread(target=end_on_a_signal, name="signals-while-waiting", daemon=True)
+    reader, writer = os.pipe()
+    os.set_blocking(writer, False)  # as a wakeup fd must be
+    watcher = threading.Thread(target=end_on_a_signal, args=(reader, rank, moment), name="signals-while-waiting",
+                               daemon=True)
     watcher.start()  # before the main thread holds the signals back: this thread may take them
-    previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    previous_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, *STOP_SIGNALS))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # one that came just now: the usual way
-        signal.set_wakeup_fd(previous_fd)
-        over.set()
-        writer.close()
+        signal.set_wakeup_fd(previous_fd)  # first: a signal from now on comes the usual way
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        os.close(writer)  # which ends the watcher's wait
         watcher.join()
-        reader.close()
+        os.close(reader)
 
 
-def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None:
-        raise ValueError(f"not a release number: {version!r}")
-    return int(found[1]), int(found[2])
+def end_on_a_signal(reader: int, rank: int, moment: str) -> None:
+    """Python's handler of each signal writes its number to the wakeup fd: Ctrl-C or a stop signal ends the process."""
+    while received := os.read(reader, 64):
+        for signum in received:
+            if signum == signal.SIGINT or signum in STOP_SIGNALS:
+                stopped_before_training(signum, moment, rank == 0)
 
 
-def unsupported_pytorch(torch_version: str, torchvision_version: str) -> str | None:
-    """The one-line error for a torch/torchvision pair older than the oldest supported one (versions.py says
-    which, and why), or None."""
-    if release(torch_version) >= OLDEST_TORCH and release(torchvision_version) >= OLDEST_TORCHVISION:
-        return None
+def require_supported_pytorch() -> None:
+    """Exit 2 with one line, before any work, where the installed torch or torchvision is older than supported."""
+    torch_version, torchvision_version = installed_version("torch"), installed_version("torchvision")
+    if torch_version and torchvision_version and (release(torch_version) < OLDEST_TORCH
+                                                  or release(torchvision_version) < OLDEST_TORCHVISION):
+        report(pytorch_too_old(torch_version, torchvision_version))
+        sys.exit(2)
+
+
+def pytorch_too_old(torch_version: str, torchvision_version: str) -> str:
     return (f"error: installed are torch {torch_version} and torchvision {torchvision_version}; this needs torch >= "
             f"{dotted(OLDEST_TORCH)} and torchvision >= {dotted(OLDEST_TORCHVISION)} "
             "(pip install -U -r requirements.txt)")
 
 
-def require_supported_pytorch() -> None:
-    """Exit with code 2 and one line, before any work, where the installed PyTorch is older than supported."""
-    torch_version, torchvision_version = installed_version("torch"), installed_version("torchvision")
-    if torch_version is None or torchvision_version is None:
-        return  # not installed: its own import tells
-    problem = unsupported_pytorch(torch_version, torchvision_version)
-    if problem is not None:
-        report(problem)
-        sys.exit(2)
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
+    if not (found := re.match(r"(\d+)\.(\d+)", version)):
+        raise ValueError(f"not a release number: {version!r}")
+    return int(found[1]), int(found[2])
 
 
 def installed_version(package: str) -> str | None:
-    """The release of `package` as its version.py says (torch and torchvision each write one), or None where it
-    is not installed. Read without importing it (torch takes seconds) or importlib.metadata (a tenth of a
-    second, during which Ctrl-C is not yet caught); pip's record of it where there is no version.py."""
+    """The release of `package` as its version.py says, read without importing it; pip's record where it has none."""
     spec = importlib.util.find_spec(package)
-    if spec is None:
-        return None
-    for folder in spec.submodule_search_locations or ():
+    for folder in (spec.submodule_search_locations or []) if spec else []:
         with contextlib.suppress(OSError), open(os.path.join(folder, "version.py")) as file:
-            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", file.read(), re.MULTILINE)
-            if found:
+            if found := re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", file.read(), re.MULTILINE):
                 return found[1]
+    return recorded_version(package) if spec else None  # None: not installed
+
+
+def recorded_version(package: str) -> str | None:
+    """pip's record of the release of `package` (importlib.metadata), for a package without a version.py."""
     from importlib import metadata
 
     try:
@@ -226,15 +206,13 @@ def stop_now(signum: int, frame: object = None) -> None:
 
 
 def listen_for_stop_signals() -> None:
-    """A stop signal ends the process through an exception, so that every `finally` runs (the process group
-    is left, the port freed, the loader workers stopped), and so does Ctrl-C (KeyboardInterrupt); while
-    training runs, preemption.py makes the stop signals wait for the next step instead."""
+    """A stop signal, like Ctrl-C, ends the process through an exception: every `finally` runs (preemption.py
+    makes it wait for the next step while training runs)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop_now)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if sys.unraisablehook is not raise_a_dropped_stop_again:
-        _Ending.python_unraisablehook = sys.unraisablehook
-        sys.unraisablehook = raise_a_dropped_stop_again
+    if sys.unraisablehook is not raise_a_dropped_stop_again:  # installed once, in front of whichever was there
+        _Ending.python_unraisablehook, sys.unraisablehook = sys.unraisablehook, raise_a_dropped_stop_again
 
 
 def raise_a_dropped_stop_again(unraisable: sys.UnraisableHookArgs) -> None:

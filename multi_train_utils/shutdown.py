@@ -19,8 +19,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
@@ -57,34 +57,20 @@ LAUNCHER_POLL_S = 1.0
 KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
 
 
-@dataclass
-class Ending:
-    output_dir: str | os.PathLike | None = None  # where the run's last checkpoint is, once known
-
-
 @contextlib.contextmanager
 def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
-                     watch_launcher: bool = False) -> Iterator[Ending]:
-    """Run the block as one process of a job, ended by shutdown.end_run however it ends early: a stop signal
-    or Ctrl-C through an exception (every `finally` runs), a mistake the user can fix in one line (exit 2), our
-    own bug with its traceback. With `watch_launcher`, the process also stops if the launcher that started it
-    dies."""
+                     watch_launcher: bool = False) -> Iterator[SimpleNamespace]:
+    """Run the block as one process of a job, which end_run ends in one line however it ends early (with
+    `watch_launcher`, also when the launcher dies). The block may set the `output_dir` it yields, once known."""
     listen_for_stop_signals()
-    # Python's last garbage collections, as it exits, walk every object torch and torchvision made (0.7 s on a
-    # laptop's CPU) to free memory the process is about to give back anyway; frozen, they skip them.
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
+    atexit.register(gc.freeze)  # Python's last collections, at exit, would walk every object torch made (0.7 s)
     if watch_launcher:
         stop_when_launcher_dies()
-    ending = Ending(output_dir)
+    ending = SimpleNamespace(output_dir=output_dir)  # where the run's last checkpoint is
     try:
-        # A process started by the spawn script holds Ctrl-C back until here (spawn_utils): one that came
-        # while it imported arrives now, and ends it in one line.
-        hold_back_ctrl_c(False)
+        hold_back_ctrl_c(False)  # a Ctrl-C held back while a spawned process imported arrives now (spawn_utils)
         yield ending
     except BaseException as err:
-        if isinstance(err, SystemExit) and err.code in (None, 0):  # --help, or a run that finished
-            raise
         end_run(err, rank, ending.output_dir)
 
 
@@ -104,8 +90,10 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     alone is rank 1's to tell); the others then fail too ("connection closed by peer") and end with the
     same exit code and no word. A stop signal or Ctrl-C reached every process, so rank 0 tells it. A stop
     at a step (Preempted) leaves the group as a finished run does, once rank 0 has written its checkpoint.
-    Our own bugs keep their traceback.
+    Our own bugs keep their traceback. A run that finished (or --help) passes through.
     """
+    if isinstance(err, SystemExit) and err.code in (None, 0):
+        raise err
     absorb_later_signals()
     checkpoint = Path(output_dir) / CHECKPOINT_NAME if output_dir else None
     if isinstance(err, QuietExit):  # already said, by another process or by this one
@@ -119,7 +107,7 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
         raise QuietExit(err.code)
     signalled = isinstance(err, (KeyboardInterrupt, Terminated))
     if launcher_gone() and not signalled:
-        # Whatever broke (a partner gone from a collective), the launcher's end caused it.
+        # Whatever broke, the launcher's end caused it: a partner whose watch saw it first left a collective.
         err, signalled = Terminated(), True
     reason = err if signalled else collective_failure(err, rank) or err
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
@@ -169,6 +157,8 @@ def reachable_store() -> dist.Store | None:
     """The process group's key-value store, with a short time-out, or None where it is gone (its host ended:
     under torchrun the agent, else rank 0). Once gone it is not asked again: every failed call makes PyTorch
     print a page of C++ frames."""
+    if launcher_gone() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _Ending.store_gone = True  # torchrun's agent kept the process group's store: it went with it
     if _Ending.store_gone or not is_dist_avail_and_initialized():
         return None
     try:
@@ -225,13 +215,11 @@ class StalledRankError(UserInputError):
 
 
 class CutOffError(StalledRankError):
-    """A collective waited past --dist-timeout and the store does not answer either: no other process can
-    tell, so each that meets it says so itself."""
+    """A time-out where the store does not answer either: no other process can tell, so each says it itself."""
 
 
 class LostPeerError(Exception):
-    """A process of the job vanished in the middle of a collective (killed by a signal or the out-of-memory
-    killer, or its machine gone): not a mistake to fix, and not a bug of the survivor either."""
+    """A process of the job vanished in the middle of a collective (killed, or its machine gone): no mistake to fix."""
 
 
 # What gloo and NCCL say when the process at the other end of a connection is gone.
@@ -290,31 +278,21 @@ def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | Non
 
 
 def launcher_gone() -> bool:
-    """Whether the watched launcher has ended: this process then has another parent. Asked directly, not
-    left to the watch: a rank whose watch saw it first stops, and its partner may fail before its own watch
-    sees it."""
-    gone = _Ending.launcher is not None and os.getppid() != _Ending.launcher
-    if gone and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        _Ending.store_gone = True  # torchrun's agent kept the process group's store: it went with it
-    return gone
+    """Whether the launcher this process watches has ended (this process then has another parent)."""
+    return _Ending.launcher is not None and os.getppid() != _Ending.launcher
 
 
 def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = KILL_AFTER_S) -> None:
-    """Stop this process within seconds if the process that started it dies.
-
-    A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop its workers, which the system
-    hands to another parent and which would then train on, and write, alone. A watching thread sees the
-    parent change and sends this process SIGTERM: the usual clean stop. The store that torchrun's agent kept
-    went with it, and is not asked again. SIGKILL follows if the stop cannot run (a main thread stuck
-    waiting for a GPU).
-    """
+    """Stop this process within seconds if the launcher that started it is killed outright (SIGKILL, the
+    out-of-memory killer) and cannot stop it: it would train on, and write, alone."""
     _Ending.launcher = os.getppid()
+    threading.Thread(target=watch_the_launcher, args=(poll_s, kill_after_s), name="launcher-watch", daemon=True).start()
 
-    def watch() -> None:
-        while not launcher_gone():
-            time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(kill_after_s)
-        os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+def watch_the_launcher(poll_s: float, kill_after_s: float) -> None:
+    """SIGTERM this process, the usual clean stop, once the launcher is gone; SIGKILL if that cannot run."""
+    while not launcher_gone():
+        time.sleep(poll_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(kill_after_s)  # a main thread stuck waiting for a GPU cannot stop
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -15,7 +15,7 @@ from multiprocessing import resource_tracker
 import torch
 import torch.multiprocessing as mp
 
-from .distributed_utils import cpu_threads_per_process, find_free_port, resolve_device
+from .distributed_utils import find_free_port, resolve_device, usable_cpus
 from .errors import (
     CTRL_C_EXIT_CODE,
     REQUEUE_EXIT_CODE,
@@ -48,7 +48,7 @@ def processes_to_start(world_size: int | None, device: str | None) -> int:
         return gpus if on_cuda else 2
     if on_cuda and world_size > gpus:
         raise UserInputError(f"--world-size {world_size}: only {gpus} GPU(s) visible (one process per GPU)")
-    cpus = cpu_threads_per_process(1)
+    cpus = usable_cpus()
     if not on_cuda and world_size > CPU_PROCESSES_PER_CORE * cpus:
         # Each process holds a model, an optimizer and its batches: past a few per core they only fight
         # for the cores and the memory.
@@ -111,7 +111,7 @@ def stop_signals_passed_on() -> Iterator[StopSignalPasser]:
     starts: a signal meanwhile must not end the launcher in the middle of starting them, which would leave
     those started so far waiting for the rest of their group. Ctrl-C is held back meanwhile, and the new
     processes start with it held back (a signal mask survives fork and exec): each gets it once it has set up
-    its own handling (errors.ends_in_one_line), instead of a traceback from the middle of `import torch`."""
+    its own handling (shutdown.ends_in_one_line), instead of a traceback from the middle of `import torch`."""
     passer = StopSignalPasser()
     previous = {signum: signal.signal(signum, passer) for signum in (*STOP_SIGNALS, signal.SIGINT)}
     if os.name == "posix":

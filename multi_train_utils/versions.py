@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-    from torch import nn
 
 OLDEST_TORCH = (2, 6)
 OLDEST_TORCHVISION = (0, 21)
@@ -78,8 +77,3 @@ def cpu_has_bf16() -> bool:
     # Before 2.11, private functions that ask the same CPU flags
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
-
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The module torch.compile wrapped (its wrapper keeps it as the private `_orig_mod`), or `model` itself
-    where it is not a compiled wrapper: its own weights, without the wrapper's `_orig_mod.` key prefix."""
-    return getattr(model, "_orig_mod", model)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, requires_cuda
+from conftest import REPO, free_port, requires_cuda
 from multi_train_utils import distributed_utils, errors, shutdown
 from multi_train_utils.distributed_utils import (
     SLURM_PORT_BASE,
@@ -32,6 +32,7 @@ from multi_train_utils.distributed_utils import (
     reduce_value,
     resolve_device,
     single_process,
+    srun_meeting_point,
     use_device,
     wrap_ddp,
 )
@@ -43,18 +44,22 @@ def test_torchrun_variables() -> None:
     launch = detect_launch(env)
     assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size, launch.source) == (
         5, 1, 8, 4, "torchrun")
-    assert launch.master_addr is None  # torchrun sets MASTER_ADDR itself; we leave it alone
 
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is not"),
     ({"WORLD_SIZE": "4"}, "WORLD_SIZE=4 is set but RANK is not"),
     ({"RANK": "one", "WORLD_SIZE": "2"}, "RANK=one: a launcher's variable that must be a whole number"),
-    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "x1"}, "SLURM_JOB_ID=x1")])
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "x2"}, "SLURM_STEP_NUM_TASKS=x2")])
 def test_a_launchers_variables_that_do_not_fit_are_refused(env: dict[str, str], message: str) -> None:
     """Half of RANK and WORLD_SIZE would start N processes that each train alone, into one folder."""
     with pytest.raises(UserInputError, match=message):
         detect_launch(env)
+
+
+def test_a_slurm_job_id_that_is_no_number_is_refused() -> None:
+    with pytest.raises(UserInputError, match="SLURM_JOB_ID=x1"):
+        srun_meeting_point({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "x1"})
 
 
 def test_one_process_per_container_when_only_rank_and_world_size_are_set() -> None:
@@ -74,16 +79,31 @@ def test_slurm_variables_under_srun() -> None:
     launch = detect_launch(env)
     assert (launch.rank, launch.local_rank, launch.world_size, launch.local_world_size) == (3, 1, 4, 2)
     assert launch.source == "slurm"
-    assert launch.master_addr == "gpu07"
-    assert launch.master_port == SLURM_PORT_BASE + 4242
+    assert srun_meeting_point(env) == {"MASTER_ADDR": "gpu07", "MASTER_PORT": str(SLURM_PORT_BASE + 4242)}
 
 
 def test_slurm_step_values_and_preset_master_win() -> None:
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
            "SLURM_NODELIST": "a1,b2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "1234"}
     launch = detect_launch(env)
-    assert (launch.world_size, launch.local_world_size, launch.master_addr, launch.master_port) == (
-        2, 2, "10.1.2.3", 1234)
+    assert (launch.world_size, launch.local_world_size) == (2, 2)
+    assert srun_meeting_point(env) == {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "1234"}
+
+
+def test_the_tasks_of_srun_meet_where_srun_meeting_point_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group of one started by srun: SLURM sets no MASTER_ADDR, which the step's first node becomes."""
+    for name in ("MASTER_ADDR", "RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)  # and restored to what it was (or unset) once the test ends
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NODELIST": "localhost",
+           "MASTER_PORT": str(free_port())}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ctx = init_distributed_mode("cpu")
+    try:
+        assert ctx.distributed and get_world_size() == 1 and os.environ["MASTER_ADDR"] == "localhost"
+    finally:
+        distributed_utils.cleanup()
 
 
 def test_a_slurm_batch_script_without_srun_is_one_process() -> None:
@@ -152,8 +172,7 @@ def test_gpu_of_each_process(monkeypatch: pytest.MonkeyPatch, visible: int, loca
 ])
 def test_a_slurm_task_takes_its_cpus_per_task(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
                                               threads: int) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
-    monkeypatch.setattr(distributed_utils, "cgroup_cpu_quota", lambda *folders: None)
+    monkeypatch.setattr(distributed_utils, "usable_cpus", lambda: 8)
     task = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="slurm")
     assert cpu_threads_for(task, env) == threads
     torchrun = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="torchrun")
@@ -186,8 +205,7 @@ def test_a_containers_cpu_quota_counts_as_its_cores(tmp_path: Path, monkeypatch:
 
 
 def test_a_users_omp_num_threads_is_kept_but_not_torchruns_own_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
-    monkeypatch.setattr(distributed_utils, "cgroup_cpu_quota", lambda *folders: None)
+    monkeypatch.setattr(distributed_utils, "usable_cpus", lambda: 8)
     torchrun = Launch(rank=0, local_rank=0, world_size=2, local_world_size=2, source="torchrun")
     spawn = Launch(rank=0, local_rank=0, world_size=2, local_world_size=2, source="spawn")
     assert cpu_threads_for(spawn, {"OMP_NUM_THREADS": "3"}) == 3, "the user's choice"

@@ -12,9 +12,10 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import REPO, python, run
-from multi_train_utils import shutdown, versions
-from multi_train_utils.errors import release, unsupported_pytorch
-from multi_train_utils.versions import OLDEST_TORCH, OLDEST_TORCHVISION, abort_process_group, cpu_has_bf16, uncompiled
+from multi_train_utils import errors, shutdown, versions
+from multi_train_utils.distributed_utils import unwrap_model
+from multi_train_utils.errors import release, require_supported_pytorch
+from multi_train_utils.versions import OLDEST_TORCH, OLDEST_TORCHVISION, abort_process_group, cpu_has_bf16
 
 # Each program with the too old package faked; two of them in the quick tests, all in the full run.
 OLDER_PYTORCH = [("train_single_gpu.py", "torch"), ("train_multi_gpu_using_spawn.py", "torchvision"),
@@ -34,15 +35,39 @@ def test_release_numbers_compare_as_numbers_whatever_their_suffix() -> None:
     (("2.6.0+cu124", "0.21.0+cu124"), True), (("2.14.1", "0.29.1"), True), (("3.0.0", "1.0.0"), True),
     (("2.5.1+cu124", "0.20.1+cu124"), False), (("2.6.0", "0.20.1"), False), (("1.13.1", "0.14.1"), False)])
 def test_an_older_pair_than_the_oldest_supported_is_refused_naming_both_versions(
-        installed: tuple[str, str], supported: bool) -> None:
-    problem = unsupported_pytorch(*installed)
+        installed: tuple[str, str], supported: bool, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(errors, "installed_version", {"torch": installed[0], "torchvision": installed[1]}.get)
     if supported:
-        assert problem is None
+        require_supported_pytorch()
+        assert capsys.readouterr().err == ""
         return
-    assert problem is not None and "\n" not in problem
+    with pytest.raises(SystemExit) as stop:
+        require_supported_pytorch()
+    problem = capsys.readouterr().err
+    assert stop.value.code == 2 and problem.count("\n") == 1 and problem.startswith("error: ")
     assert f"torch {installed[0]} and torchvision {installed[1]}" in problem
     needed = versions.dotted(OLDEST_TORCH), versions.dotted(OLDEST_TORCHVISION)
     assert f"torch >= {needed[0]} and torchvision >= {needed[1]}" in problem
+
+
+def test_the_release_is_read_from_version_py_else_from_pips_record() -> None:
+    from importlib import metadata
+
+    assert errors.installed_version("torch") == torch.__version__  # torch/version.py
+    assert errors.installed_version("pytest") == metadata.version("pytest")  # a package without a version.py
+    assert errors.installed_version("no_such_package_installed") is None
+
+
+def test_the_check_runs_before_the_ctrl_c_guard_without_importing_torch_or_package_metadata() -> None:
+    """The scripts catch Ctrl-C right after importing the package, whose import runs the check: it must not take
+    the seconds of `import torch`, nor the tenth of one of importlib.metadata, where version.py says it."""
+    code = ("import sys, time; started = time.perf_counter(); import multi_train_utils.errors; "
+            "print(time.perf_counter() - started, sorted({'torch', 'torchvision', 'importlib.metadata'} & "
+            "set(sys.modules)))")
+    result = run([python(), "-c", code], cwd=REPO, timeout=60)
+    took, imported = result.stdout.split(" ", 1)
+    assert imported.strip() == "[]" and float(took) < 0.5, result.stdout + result.stderr
 
 
 def test_requirements_name_the_oldest_supported_pair() -> None:
@@ -166,7 +191,7 @@ def test_bf16_is_found_on_the_cpus_that_have_it() -> None:
 
 def test_the_compiled_wrapper_gives_back_the_model_and_a_plain_model_is_itself() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
-    assert uncompiled(model) is model
+    assert unwrap_model(model) is model
     compiled = torch.compile(model)  # compiles on the first call only: nothing is compiled here
-    assert uncompiled(compiled) is model
-    assert set(uncompiled(compiled).state_dict()) == {"0.weight", "0.bias"}
+    assert unwrap_model(compiled) is model
+    assert set(unwrap_model(compiled).state_dict()) == {"0.weight", "0.bias"}
