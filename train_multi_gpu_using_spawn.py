@@ -61,7 +61,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     print_main(f"Training in {ctx.world_size} process(es) on {ctx.runs_on}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
-    saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
+    saved = find_saved_run(args.resume, args.output_dir)  # a resumed run keeps its classes and split
     data = read_data(args.data_path, ctx, args.seed, args.num_classes, saved.split)
     train_set, val_set = build_datasets(data, args.image_size, args.decode_on, ctx.device)
     # Each process trains on its own 1/world_size of every epoch (a DistributedSampler).

@@ -32,7 +32,7 @@ def main(args: argparse.Namespace) -> None:
     ctx = single_process(args.device)
     print(f"Training in one process on {ctx.runs_on}")
     seed_everything(args.seed)
-    saved = find_saved_run(args.resume, args.output_dir, ctx)  # a resumed run keeps its classes and split
+    saved = find_saved_run(args.resume, args.output_dir)  # a resumed run keeps its classes and split
     data = read_data(args.data_path, ctx, args.seed, args.num_classes, saved.split)
     train_set, val_set = build_datasets(data, args.image_size, args.decode_on, ctx.device)
     train_loader, val_loader = build_loaders(train_set, val_set, args.batch_size, ctx, args.workers, args.seed)

@@ -43,12 +43,11 @@ import torch.distributed as dist
 from multi_train_utils.distributed_utils import (
     DistContext,
     barrier,
-    broadcast_from_main,
     is_dist_avail_and_initialized,
     print_main,
+    read_on_main,
 )
-from multi_train_utils.errors import MAX_LINE, UserInputError, shortened
-from multi_train_utils.files import path_kind
+from multi_train_utils.errors import MAX_LINE, UserInputError, path_kind, shortened
 from my_dataset import Paths, header_problem
 
 # Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF.
@@ -262,15 +261,8 @@ def read_data(data_path: str | None, ctx: DistContext, seed: int = 0, num_classe
               saved_split: dict[str, Any] | None = None) -> SplitData:
     """--data-path (or the demo data) split, or a resumed run's `saved_split`, checked before any training."""
     path = Path(data_path) if data_path else demo_data_folder(ctx)
-    found: SplitData | str | None = None
-    if ctx.is_main:  # the others get its split, as one message
-        try:
-            found = read_split_data(path, seed=seed) if saved_split is None else reuse_split(path, saved_split)
-        except UserInputError as err:
-            found = str(err)  # every rank raises it, rather than waiting for rank 0
-    found = broadcast_from_main(found)
-    if isinstance(found, str):
-        raise UserInputError(found)
+    found = read_on_main(lambda: read_split_data(path, seed=seed) if saved_split is None else reuse_split(path,
+                                                                                                      saved_split))
     if num_classes not in (None, found.num_classes):
         raise UserInputError(f"--num_classes {num_classes}: the data in {path} has {found.num_classes} classes "
                              f"({shortened(', '.join(found.class_names), 100)})")

@@ -18,11 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .distributed_utils import (
-    DistContext,
-    broadcast_from_main,
     get_world_size,
     is_dist_avail_and_initialized,
     print_main,
+    read_on_main,
     reduce_value,
     unwrap_model,
 )
@@ -166,21 +165,16 @@ def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_sched
     scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
 
 
-def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike, ctx: DistContext) -> SavedRun:
+def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike) -> SavedRun:
     """The checkpoint to continue from, read by rank 0 and sent to every rank (before the data is read: a
     resumed run keeps its classes and split)."""
-    found: tuple[str, Any] | None = None
-    if ctx.is_main:
-        try:
-            refuse_a_folder_in_use(Path(output_dir))
-            path = checkpoint_to_resume(resume_flag, output_dir)
-            found = (str(path), read_checkpoint(path)) if path else None
-        except UserInputError as err:
-            found = ("error", str(err))  # every rank raises it, rather than waiting for rank 0
-    found = broadcast_from_main(found)
-    if found and found[0] == "error":
-        raise UserInputError(found[1])
-    return SavedRun(*found) if found else SavedRun()
+    return SavedRun(*read_on_main(lambda: saved_checkpoint(resume_flag, Path(output_dir))))
+
+
+def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> tuple[str | None, dict[str, Any] | None]:
+    refuse_a_folder_in_use(output_dir)  # before anything else
+    path = checkpoint_to_resume(resume_flag, output_dir)
+    return (str(path), read_checkpoint(path)) if path else (None, None)
 
 
 def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:

@@ -15,8 +15,8 @@ from typing import Literal, NoReturn
 
 from .checkpoint import BEST_METRICS, trained_image_size
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
-from .errors import UserInputError
-from .files import check_readable_file, path_kind
+from .errors import UserInputError, path_kind
+from .files import check_readable_file
 from .optim import OPTIMIZERS, SCHEDULES
 from .shutdown import ends_in_one_line
 from .train_eval_utils import AMP_CHOICES

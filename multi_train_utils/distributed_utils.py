@@ -21,7 +21,7 @@ import os
 import re
 import socket
 import sys
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -530,12 +530,19 @@ def reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return totals
 
 
-def broadcast_from_main(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (any object that pickles): what only rank 0 reads from the file system."""
-    if not is_dist_avail_and_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
+def read_on_main(read: Callable[[], Any]) -> Any:
+    """`read()` run by rank 0 alone, its answer (any object that pickles) sent to every rank: what only rank 0
+    reads from the file system. Its one-line error is raised on every rank, rather than leaving them waiting."""
+    box: list[Any] = [None]
+    if get_rank() == 0:
+        try:
+            box[0] = read()
+        except UserInputError as err:
+            box[0] = err
+    if is_dist_avail_and_initialized():
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], UserInputError):
+        raise box[0]
     return box[0]
 
 

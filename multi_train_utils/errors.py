@@ -10,10 +10,12 @@ import importlib.util
 import os
 import re
 import signal
+import stat
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 from .versions import OLDEST_TORCH, OLDEST_TORCHVISION, dotted
@@ -97,6 +99,18 @@ def one_line(err: BaseException) -> str:
 def shortened(line: str, limit: int = MAX_LINE) -> str:
     """`line` cut to `limit` characters, its end marked, so that no message fills the screen."""
     return line if len(line) <= limit else line[:limit - 6] + " [...]"
+
+
+def path_kind(path: Path, flag: str) -> str:
+    """What `path` named by `flag` is: "missing", "folder", "file" or "other" (a device, a pipe); a path the system
+    refuses to look up (a name too long, a loop of links, a folder it may not read) is one line."""
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):  # not there, or a file where a folder of the path should be
+        return "missing"
+    except OSError as err:
+        raise UserInputError(f"{flag} {shortened(str(path), 120)}: {(err.strerror or str(err)).lower()}") from None
+    return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
 
 def quiet_ctrl_c_while_starting() -> None:

@@ -9,7 +9,6 @@ import os
 import pickle
 import shutil
 import signal
-import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import STOP_SIGNALS, UserInputError, shortened
+from .errors import STOP_SIGNALS, UserInputError, path_kind
 
 PARTIAL_SUFFIX = ".partial"
 LOW_DISK_BYTES = 64 * 2**20
@@ -112,19 +111,6 @@ def tensor_bytes(tree: Any) -> int:
     if isinstance(tree, (list, tuple)):
         return sum(tensor_bytes(value) for value in tree)
     return 0
-
-
-def path_kind(path: Path, flag: str) -> str:
-    """What `path` is: "missing", "folder", "file" or "other" (a device, a pipe, a socket). A path the system
-    refuses to look up (a name too long, a loop of links, a folder it may not read) is one line naming the
-    flag, the path, shortened, and the system's reason."""
-    try:
-        mode = path.stat().st_mode
-    except (FileNotFoundError, NotADirectoryError):  # not there, or a file where a folder of the path should be
-        return "missing"
-    except OSError as err:
-        raise UserInputError(f"{flag} {shortened(str(path), 120)}: {(err.strerror or str(err)).lower()}") from None
-    return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
 
 def check_readable_file(path: Path, flag: str) -> None:

@@ -27,7 +27,6 @@ from conftest import (
 )
 from multi_train_utils import checkpoint, errors, files, shutdown
 from multi_train_utils.cli import parse_args
-from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import UserInputError
 
 RESUME_FLAGS = [*TINY_FLAGS, "--epochs", "3", "--lr", "0.002", "--batch-size", "8"]
@@ -140,7 +139,7 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
 
     train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
-    saved = checkpoint.find_saved_run("auto", tmp_path / "run", single_process("cpu"))
+    saved = checkpoint.find_saved_run("auto", tmp_path / "run")
     saved_lr = saved.state["optimizer"]["param_groups"][0]["lr"]
     model = create_model("resnet18", 3)
     monkeypatch.setattr(checkpoint, "get_world_size", lambda: 4)
@@ -300,7 +299,7 @@ def test_a_checkpoint_cut_short_names_the_newest_older_one_that_loads(data: Path
     whole = (out / "checkpoint.pth").read_bytes()
     (out / "checkpoint.pth").write_bytes(whole[: len(whole) // 2])  # what a full disk or a broken copy leaves
     with pytest.raises(UserInputError) as caught:
-        checkpoint.find_saved_run("auto", out, single_process("cpu"))
+        checkpoint.find_saved_run("auto", out)
     assert str(caught.value) == (f"--resume {out / 'checkpoint.pth'}: not a PyTorch file (damaged, cut short, or "
                                  f"another kind of file); the newest older checkpoint that loads is {older}: go on "
                                  f"from it with --resume {older}")
