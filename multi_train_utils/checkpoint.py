@@ -3,6 +3,7 @@ and where inside an epoch training stands (a checkpoint may be written after any
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -30,6 +31,7 @@ from .files import load_file, megabytes, to_cpu
 from .optim import align_schedule, scheduled_lr
 from .recorder import (
     CHECKPOINT_NAME,
+    LOCK_NAME,
     RunRecorder,
     SavedRun,
     model_weights,
@@ -172,7 +174,8 @@ def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike) -> Sa
 
 
 def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> tuple[str | None, dict[str, Any] | None]:
-    refuse_a_folder_in_use(output_dir)  # before anything else
+    with contextlib.suppress(OSError), open(output_dir / LOCK_NAME) as lock:  # no lock file: no run in it
+        refuse_a_folder_in_use(output_dir, lock)  # before anything else
     path = checkpoint_to_resume(resume_flag, output_dir)
     return (str(path), read_checkpoint(path)) if path else (None, None)
 

@@ -298,25 +298,17 @@ def newest_readable(folder: Path, but: Path | None = None) -> Path | None:
     return None
 
 
-def lock_holder(lock: TextIO) -> str | None:
-    """Who holds the lock on `lock` (process and host, as it wrote them), or None if nobody does."""
-    if fcntl is None:
-        return None
+def refuse_a_folder_in_use(folder: Path, lock: TextIO) -> None:
+    """Stop at once if another run holds `lock`, `folder`'s lock (it wrote its process and host there)."""
+    if fcntl is None:  # Windows has no flock
+        return
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        return lock.read().strip() or "unknown"
-    return None
-
-
-def refuse_a_folder_in_use(folder: Path) -> None:
-    """Stop at once if another run is writing to `folder` (it holds the folder's lock)."""
-    with contextlib.suppress(OSError), open(folder / LOCK_NAME) as lock:
-        holder = lock_holder(lock)
-        if holder:
-            raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let "
-                                 "it finish, or choose another --output-dir")
+        raise UserInputError(f"--output-dir {folder}: another run is writing there (process "
+                             f"{lock.read().strip() or 'unknown'}); let it finish, or choose another --output-dir"
+                             ) from None
 
 
 def claim_folder(folder: Path, fresh: bool = True) -> TextIO:
@@ -324,11 +316,7 @@ def claim_folder(folder: Path, fresh: bool = True) -> TextIO:
     and check that what the run writes may be written there, found now rather than after training."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the run's life
-    holder = lock_holder(lock)
-    if holder:
-        lock.close()
-        raise UserInputError(f"--output-dir {folder}: another run is writing there (process {holder}); let it "
-                             "finish, or choose another --output-dir")
+    refuse_a_folder_in_use(folder, lock)
     lock.truncate(0)
     lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
