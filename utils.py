@@ -47,7 +47,7 @@ from multi_train_utils.distributed_utils import (
     print_main,
     read_on_main,
 )
-from multi_train_utils.errors import MAX_LINE, UserInputError, path_kind, shortened
+from multi_train_utils.errors import MAX_LINE, UserInputError, path_kind, shortened, system_reason
 from my_dataset import Paths, header_problem
 
 # Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF.
@@ -148,7 +148,7 @@ def read_samples(path: Path) -> Samples:
         return reader(path)
     except OSError as err:  # a folder inside that may not be read, say
         raise UserInputError(f"--data-path {path}: cannot read {shortened(str(err.filename or path), 120)}: "
-                             f"{(err.strerror or str(err)).lower()}") from None
+                             f"{system_reason(err)}") from None
 
 
 def data_root(path: str | os.PathLike) -> Path:

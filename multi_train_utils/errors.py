@@ -109,8 +109,13 @@ def path_kind(path: Path, flag: str) -> str:
     except (FileNotFoundError, NotADirectoryError):  # not there, or a file where a folder of the path should be
         return "missing"
     except OSError as err:
-        raise UserInputError(f"{flag} {shortened(str(path), 120)}: {(err.strerror or str(err)).lower()}") from None
+        raise UserInputError(f"{flag} {shortened(str(path), 120)}: {system_reason(err)}") from None
     return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
+
+
+def system_reason(err: OSError) -> str:
+    """The system's reason for `err` in its own words ("permission denied"), without the path it repeats."""
+    return (err.strerror or str(err)).lower()
 
 
 def quiet_ctrl_c_while_starting() -> None:

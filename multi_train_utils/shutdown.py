@@ -246,18 +246,22 @@ def collective_failure(err: BaseException, rank: int) -> BaseException | None:
                                "its machine is down, or the process that keeps it (rank 0, or torchrun's agent "
                                "on the first machine) is stuck or gone")
         return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
-                                f"{'rank(s) ' + ', '.join(map(str, silent)) if silent else 'no rank'} stopped "
+                                f"{ranks_named(silent) if silent else 'no rank'} stopped "
                                 "answering")
     if LOST_PEER.search(message):
-        silent = silent_ranks(rank, "lost_peer")
+        silent = silent_ranks(rank, "lost_peer") if has_default_store() else []  # without a store: not known
         address = PEER_ADDRESS.search(message)
-        who = (f"rank(s) {', '.join(map(str, silent))}" if silent else
+        who = (ranks_named(silent) if silent else
                "the process that kept the job's key-value store" if silent is None else "another process")
         where = f" (at {address.group(1)})" if address else ""
         return LostPeerError(f"rank {rank} lost its connection to {who}{where}: that process ended without a "
                              "word, killed by a signal (the out-of-memory killer sends SIGKILL) or gone with its "
                              "machine; the launcher's report says how it ended")
     return None
+
+
+def ranks_named(ranks: list[int]) -> str:
+    return f"rank(s) {', '.join(map(str, ranks))}"
 
 
 def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | None:

@@ -161,6 +161,9 @@ def test_without_the_store_each_process_explains_and_a_time_out_stands_as_it_cam
     assert shutdown.first_to_stop() is True
     assert shutdown.another_process_failed() is False
     assert shutdown.collective_failure(RuntimeError("Timed out waiting 5000ms"), 1) is None
+    # A lost peer is still named as such, without guessing that it was the store's keeper.
+    lost = str(shutdown.collective_failure(RuntimeError("Connection closed by peer [10.0.0.2]:4242"), 1))
+    assert lost.startswith("rank 1 lost its connection to another process (at 10.0.0.2"), lost
 
 
 @pytest.mark.parametrize(("flags", "expected"), [
