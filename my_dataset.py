@@ -93,10 +93,11 @@ class UnreadableImageError(UserInputError):
     """An image file that Pillow cannot decode; the message names the file."""
 
 
-def load_rgb(path: str) -> Image.Image:
-    """Open any image Pillow reads and return it as 8-bit RGB, upright as the camera meant it."""
+def load_rgb(path: str, data: np.ndarray | None = None) -> Image.Image:
+    """Any image Pillow reads (the file at `path`, or its bytes `data` where they are read already) as 8-bit RGB,
+    upright as the camera meant it."""
     try:
-        with Image.open(path) as img:
+        with Image.open(path if data is None else io.BytesIO(data)) as img:
             img.load()
             with contextlib.suppress(Exception):  # a broken EXIF block should not cost an otherwise good photo
                 img = ImageOps.exif_transpose(img)
@@ -113,20 +114,36 @@ def load_rgb(path: str) -> Image.Image:
 
 def decode_reduced(path: str, reduction: Reduction | None = None) -> tuple[torch.Tensor, int, int]:
     """decode_rgb's pixels, smaller where `reduction` says so, and the whole picture's upright height and width."""
-    with contextlib.suppress(Exception):  # whatever a JPEG decoder trips on, Pillow reads or names below
+    try:
         data = np.fromfile(path, dtype=np.uint8)
-        if data[:3].tobytes() == JPEG_START:
-            if reduction:
-                with Image.open(io.BytesIO(data)) as img:  # its header: the size and the EXIF orientation
-                    width, height = img.size[::-1] if img.getexif().get(EXIF_ORIENTATION) in SIDEWAYS else img.size
-                    factor = reduction(width, height)
-                    if factor > 1:  # libjpeg scales each 8 x 8 block itself (Pillow's draft)
-                        img.draft("RGB", (img.width // factor, img.height // factor))
-                        return pil_to_tensor(ImageOps.exif_transpose(img).convert("RGB")), height, width
+    except OSError:
+        data = None  # load_rgb names what is wrong with the file
+    if data is not None and data[:3].tobytes() == JPEG_START:
+        reduced = reduced_jpeg(data, reduction) if reduction else None
+        if reduced is not None:
+            return reduced
+        try:
             pixels = decode_jpeg(torch.from_numpy(data), mode=ImageReadMode.RGB, apply_exif_orientation=True)
             return pixels, *pixels.shape[1:]
-    pixels = pil_to_tensor(load_rgb(path))
+        except RuntimeError:
+            pass  # a damaged file: Pillow reads it anyway, or names it
+    pixels = pil_to_tensor(load_rgb(path, data))
     return pixels, *pixels.shape[1:]
+
+
+def reduced_jpeg(data: np.ndarray, reduction: Reduction) -> tuple[torch.Tensor, int, int] | None:
+    """The JPEG `data` decoded at 1/2, 1/4 or 1/8 of each side by libjpeg itself (Pillow's draft) where
+    `reduction` allows it, with the whole picture's upright height and width; None where it needs every pixel."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # its header: the size and the EXIF orientation
+            width, height = img.size[::-1] if img.getexif().get(EXIF_ORIENTATION) in SIDEWAYS else img.size
+            factor = reduction(width, height)
+            if factor == 1:
+                return None
+            img.draft("RGB", (img.width // factor, img.height // factor))
+            return pil_to_tensor(ImageOps.exif_transpose(img).convert("RGB")), height, width
+    except Exception:  # whatever this shortcut trips on (odd EXIF, a cut file): the full decode decides, or names it
+        return None
 
 
 def decode_reduction(transform: Callable | None) -> Reduction | None:

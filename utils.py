@@ -112,10 +112,14 @@ def list_images(folder: str | os.PathLike, prefix: str = "") -> list[str]:
         for entry in entries:
             if entry.name.startswith("."):  # hidden: .git, the "._photo.jpg" copies macOS leaves behind
                 continue
-            if entry.name.lower().endswith(IMAGE_EXTENSIONS):  # a link that loops too: its header check names it
-                found.append(prefix + entry.name)
-            elif os.path.isdir(entry):  # False for a link the system cannot follow
+            try:
+                is_folder = entry.is_dir()  # a link to one too; known from the listing, without a call per file
+            except OSError:  # a link the system cannot follow: listed if named as an image, its header check says why
+                is_folder = False
+            if is_folder:
                 found += list_images(entry, f"{prefix}{entry.name}/")
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                found.append(prefix + entry.name)
     return sorted(found)
 
 
@@ -261,8 +265,7 @@ def read_data(data_path: str | None, ctx: DistContext, seed: int = 0, num_classe
               saved_split: dict[str, Any] | None = None) -> SplitData:
     """--data-path (or the demo data) split, or a resumed run's `saved_split`, checked before any training."""
     path = Path(data_path) if data_path else demo_data_folder(ctx)
-    found = read_on_main(lambda: read_split_data(path, seed=seed) if saved_split is None else reuse_split(path,
-                                                                                                      saved_split))
+    found = read_on_main(lambda: split_for_the_run(path, seed, saved_split))
     if num_classes not in (None, found.num_classes):
         raise UserInputError(f"--num_classes {num_classes}: the data in {path} has {found.num_classes} classes "
                              f"({shortened(', '.join(found.class_names), 100)})")
@@ -271,6 +274,11 @@ def read_data(data_path: str | None, ctx: DistContext, seed: int = 0, num_classe
     print_main(f"{path}: {found.num_classes} classes, {len(found.train_images_path)} images for training, "
                f"{len(found.val_images_path)} for validation ({layout})")
     return found
+
+
+def split_for_the_run(path: Path, seed: int, saved_split: dict[str, Any] | None) -> SplitData:
+    """A fresh run's split of `path`, or the split a resumed run started with (`saved_split`)."""
+    return read_split_data(path, seed=seed) if saved_split is None else reuse_split(path, saved_split)
 
 
 def check_image_files(paths: Paths, ctx: DistContext, seed: int = 0) -> None:

@@ -36,8 +36,7 @@ def main() -> None:
     model = wrap_ddp(nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 3)), ctx)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * ctx.world_size, momentum=0.9)
     result = fit(model, focal_loss, optimizer, train_loader, val_loader, ctx.device, epochs=3)
-    figures = result.figures()
-    print_main(f"validation: {figures['val_correct']} of {figures['val_total']} right")
+    print_main(f"validation: {result.correct} of {result.total} right")
     cleanup()
 
 

@@ -157,7 +157,10 @@ def usable_cpus(cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/
     with contextlib.suppress(OSError):
         for line in own.read_text().splitlines():  # v2: "0::/its/path"; v1: "4:cpu,cpuacct:/its/path"
             _, controllers, path = line.split(":", 2)
-            here = cgroups / controllers / path.lstrip("/")  # in a container, its own cgroup is the mount's root
+            folder = cgroups / controllers  # v2's are "": its files are in every cgroup; v1 mounts each hierarchy
+            if "cpu" in controllers.split(",") and not folder.is_dir():  # under another order ("cpuacct,cpu")
+                folder = cgroups / "cpu"
+            here = folder / path.lstrip("/")  # in a container, its own cgroup is the mount's root
             for level in [here, *here.parents][:len(Path(path).parts)]:
                 cpus = min(cpus, cgroup_cpu_quota(level))
     return max(1, int(cpus))
@@ -167,9 +170,11 @@ def cgroup_cpu_quota(level: Path) -> float:
     """The CPUs one cgroup's quota grants (v2: cpu.max; v1: cpu.cfs_quota_us over cpu.cfs_period_us); inf if none."""
     v2, v1 = level / "cpu.max", level / "cpu.cfs_quota_us"
     with contextlib.suppress(OSError, ValueError):  # no such files, or no quota (v2's "max", v1's -1)
-        text = v2.read_text() if v2.is_file() else v1.read_text() + v1.with_name("cpu.cfs_period_us").read_text()
-        quota, period = map(int, text.split())
-        return quota / period if quota > 0 else math.inf
+        if v2.is_file():
+            quota, period = v2.read_text().split()
+        else:
+            quota, period = v1.read_text(), v1.with_name("cpu.cfs_period_us").read_text()
+        return int(quota) / int(period) if int(quota) > 0 else math.inf
     return math.inf
 
 
@@ -305,8 +310,10 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
                                     world_size=ctx.world_size, rank=ctx.rank, timeout=timeout,
                                     device_id=ctx.device if backend == "nccl" else None)
     except RuntimeError as err:
-        raise_meeting_failure(err, ctx, timeout_s)
-        raise
+        failure = meeting_failure(err, ctx, timeout_s)
+        if failure is None:
+            raise
+        raise failure from None
     report(f"| distributed init ({launch.source}, {backend}): rank {ctx.rank}/{ctx.world_size}, "
            f"local rank {ctx.local_rank}, {ctx.device}", sys.stdout)  # every rank: one write each, never run together
 
@@ -332,13 +339,12 @@ class GroupNotFormedError(UserInputError):
     """The processes never met: each says so itself, since none can count on another to."""
 
 
-def raise_meeting_failure(err: RuntimeError, ctx: DistContext, timeout_s: float) -> None:
-    """Raise the one-line error for processes that could not meet: their port was taken, or some never came."""
+def meeting_failure(err: RuntimeError, ctx: DistContext, timeout_s: float) -> UserInputError | None:
+    """The one-line error for processes that could not meet (their port was taken, or some never came), or None."""
     if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
-        raise UserInputError(port_taken_line(os.environ.get("MASTER_PORT"))) from None
+        return UserInputError(port_taken_line(os.environ.get("MASTER_PORT")))
     missing = processes_missing_line(err, ctx, timeout_s)
-    if missing is not None:
-        raise GroupNotFormedError(missing) from None
+    return None if missing is None else GroupNotFormedError(missing)
 
 
 def port_taken_line(port: str | None) -> str:

@@ -80,7 +80,8 @@ class ModelEma(Hook):
         """Validate the averaged weights, add their figures to the epoch's (ema_val_acc, ...), and save them as
         weights/best_ema.pth when they are the best the average has reached."""
         result = evaluate(self.model, self.criterion, self.val_loader, self.device, self.options)
-        metrics.update({f"ema_{name}": value for name, value in result.figures().items() if name != "val_total"})
+        metrics.update({"ema_val_acc": result.accuracy, "ema_val_loss": result.loss,
+                        "ema_val_correct": result.correct})
         if self.best.update(metrics, prefix="ema_"):
             self.recorder.save_weights(self.model, "best_ema.pth")
 

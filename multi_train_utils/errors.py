@@ -199,11 +199,13 @@ def release(version: str) -> tuple[int, int]:
 def installed_version(package: str) -> str | None:
     """The release of `package` as its version.py says, read without importing it; pip's record where it has none."""
     spec = importlib.util.find_spec(package)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
+    if spec is None:
+        return None  # not installed
+    for folder in spec.submodule_search_locations or []:
         with contextlib.suppress(OSError), open(os.path.join(folder, "version.py")) as file:
             if found := re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", file.read(), re.MULTILINE):
                 return found[1]
-    return recorded_version(package) if spec else None  # None: not installed
+    return recorded_version(package)
 
 
 def recorded_version(package: str) -> str | None:

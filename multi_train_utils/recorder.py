@@ -316,19 +316,23 @@ def claim_folder(folder: Path, fresh: bool = True) -> TextIO:
     and check that what the run writes may be written there, found now rather than after training."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / LOCK_NAME, "a+")  # noqa: SIM115 - held open for the run's life
-    refuse_a_folder_in_use(folder, lock)
-    lock.truncate(0)
-    lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    if fresh:
-        refuse_results_without_a_checkpoint(folder)
-    # The temporary files of writes a killed run left unfinished, each perhaps a checkpoint's size; none in use.
-    for partial in [*folder.glob(f".*{PARTIAL_SUFFIX}"), *folder.glob(f"*/.*{PARTIAL_SUFFIX}")]:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-    for name in (*FILES_WRITTEN, *FOLDERS_WRITTEN):
-        wanted, path = "folder" if name in FOLDERS_WRITTEN else "file", folder / name
-        if path.exists() and path.is_dir() != (wanted == "folder"):
-            raise UserInputError(f"--output-dir {folder}: {path} is a {'file' if path.is_file() else 'folder'}, "
-                                 f"where the run writes a {wanted}; move it away, or choose another --output-dir")
+    try:
+        refuse_a_folder_in_use(folder, lock)
+        lock.truncate(0)
+        lock.write(f"{os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        if fresh:
+            refuse_results_without_a_checkpoint(folder)
+        # The temporary files of writes a killed run left unfinished, each perhaps a checkpoint's size; none in use.
+        for partial in [*folder.glob(f".*{PARTIAL_SUFFIX}"), *folder.glob(f"*/.*{PARTIAL_SUFFIX}")]:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+        for name in (*FILES_WRITTEN, *FOLDERS_WRITTEN):
+            wanted, path = "folder" if name in FOLDERS_WRITTEN else "file", folder / name
+            if path.exists() and path.is_dir() != (wanted == "folder"):
+                raise UserInputError(f"--output-dir {folder}: {path} is a {'folder' if path.is_dir() else 'file'}, "
+                                     f"where the run writes a {wanted}; move it away, or choose another --output-dir")
+    except BaseException:
+        lock.close()  # the next try, in this process too, finds the folder free
+        raise
     return lock

@@ -63,6 +63,7 @@ def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
     """Run the block as one process of a job, which end_run ends in one line however it ends early (with
     `watch_launcher`, also when the launcher dies). The block may set the `output_dir` it yields, once known."""
     listen_for_stop_signals()
+    atexit.unregister(gc.freeze)  # once, however many runs a process makes
     atexit.register(gc.freeze)  # Python's last collections, at exit, would walk every object torch made (0.7 s)
     if watch_launcher:
         stop_when_launcher_dies()
@@ -270,8 +271,6 @@ def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | Non
     others; those never marked are silent (hung in a data loader, deadlocked, stopped, or dead). None if the
     store cannot be asked (its host is gone too). With NCCL, PyTorch's own watchdog may end the processes
     first, naming the collective instead."""
-    if not has_default_store():
-        return None
 
     def unmarked(store: dist.Store) -> list[int]:
         store.set(f"{mark}/{rank}", "1")

@@ -305,11 +305,25 @@ class EvalResult:
 
     sums: dict[str, torch.Tensor]
 
+    @property
+    def correct(self) -> int:
+        return int(self.sums["correct"])
+
+    @property
+    def total(self) -> int:
+        return int(self.sums["total"])
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+    @property
+    def loss(self) -> float:
+        return float(self.sums["loss"]) / self.total if self.total else float("nan")
+
     def figures(self) -> dict[str, Any]:
         """Validation's figures in metrics.jsonl and --eval-only (confusion.class_figures adds the classes')."""
-        correct, total = int(self.sums["correct"]), int(self.sums["total"])
-        return {"val_correct": correct, "val_total": total, "val_acc": correct / total if total else 0.0,
-                "val_loss": float(self.sums["loss"]) / total if total else float("nan")}
+        return {"val_correct": self.correct, "val_total": self.total, "val_acc": self.accuracy, "val_loss": self.loss}
 
 
 @torch.no_grad()

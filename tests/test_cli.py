@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -168,3 +170,13 @@ def test_the_model_and_the_data_are_checked_before_anything_is_written(
 
 def test_one_line_drops_terminal_colour_codes() -> None:
     assert one_line(RuntimeError("\x1b[1mdo this\x1b[0m only if")) == "do this only if"
+
+
+def test_the_last_collections_are_skipped_once_however_many_runs_a_process_makes() -> None:
+    code = ("import gc; freeze = gc.freeze; gc.freeze = lambda: (print('frozen', flush=True), freeze())\n"
+            "from multi_train_utils import shutdown\n"
+            "for _ in range(3):\n    with shutdown.ends_in_one_line(0):\n        pass")
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("frozen") == 1, result.stdout

@@ -244,3 +244,10 @@ def test_paths_are_one_array_that_a_loader_worker_shares(tmp_path: Path) -> None
         "/data/a/1.jpg", "/data/b/ü.jpg"]
     assert (paths + paths)[3] == "/data/b/ü.jpg" and paths.relative() == ["a/1.jpg", "b/ü.jpg"]
     assert pickle.loads(pickle.dumps(paths)) == paths
+
+
+def test_a_folder_named_like_an_image_is_read_as_a_folder_of_images(tmp_path: Path) -> None:
+    (tmp_path / "2019.jpg").mkdir()  # an album folder, say
+    for name in ("2019.jpg/a.jpg", "b.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    assert utils.list_images(tmp_path) == ["2019.jpg/a.jpg", "b.png"]

@@ -194,6 +194,8 @@ def cgroup_tree(root: Path, own: str, files: dict[str, str]) -> tuple[Path, Path
     ("0::/job\n", {"fs/job/cpu.max": "max 100000\n", "fs/cpu.max": "300000 100000\n"}, 3),  # a parent's limit
     ("4:cpu,cpuacct:/docker/abc\n", {"fs/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "200000\n",
                                       "fs/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n"}, 2),  # v1
+    # v1 as RHEL 7 names it: the hierarchy "cpuacct,cpu", mounted as cpu,cpuacct with a link "cpu" to it
+    ("4:cpuacct,cpu:/\n", {"fs/cpu/cpu.cfs_quota_us": "150000\n", "fs/cpu/cpu.cfs_period_us": "100000\n"}, 1),
     ("1:cpu:/\n", {"fs/cpu/cpu.cfs_quota_us": "-1\n", "fs/cpu/cpu.cfs_period_us": "100000\n"}, 8),  # none
     ("0::/\n", {}, 8)])
 def test_a_containers_cpu_quota_counts_as_its_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own: str,

@@ -324,3 +324,13 @@ def sideways_exif() -> bytes:
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated 90 degrees: the camera was held upright
     return exif.tobytes()
+
+
+def test_a_jpeg_that_pillow_refuses_to_open_is_still_decoded_by_torchvision(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "large.jpg"
+    Image.new("RGB", (400, 300), (200, 30, 30)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # its 120,000 pixels are now a "decompression bomb"
+    train_tf, _ = build_transforms(32)
+    image, _ = MyDataSet([str(path)], [0], train_tf)[0]
+    assert image.shape == (3, 32, 32) and abs(int(image[0].float().mean()) - 200) <= 3

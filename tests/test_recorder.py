@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,11 @@ from torch import nn
 
 import train_single_gpu
 from conftest import TINY_FLAGS, make_image_folder
+from multi_train_utils import checkpoint
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import DistContext, single_process
-from multi_train_utils.recorder import STEP_LOG_EVERY, RunRecorder, SavedRun
+from multi_train_utils.errors import UserInputError
+from multi_train_utils.recorder import STEP_LOG_EVERY, RunRecorder, SavedRun, claim_folder
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, StepEnd
 
 SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
@@ -194,3 +198,32 @@ def test_a_real_run_of_many_classes_writes_small_lines(tmp_path: Path) -> None:
     (line,) = (out / "metrics.jsonl").read_text().splitlines()
     assert len(line) < 5000 and json.loads(line)["val_total"] == 120
     assert torch.load(out / "confusion.pt", weights_only=True)["confusion"].sum() == 120
+
+
+def test_a_refused_claim_leaves_the_folder_free_and_names_what_is_in_the_way(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 0}\n')  # results without a checkpoint: refused
+    with pytest.raises(UserInputError, match="holds the results of a run"):
+        claim_folder(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    os.mkfifo(tmp_path / "tensorboard")  # neither a file nor a folder, where the run writes a folder
+    with pytest.raises(UserInputError, match="tensorboard is a file, where the run writes a folder"):
+        claim_folder(tmp_path)
+    (tmp_path / "tensorboard").unlink()
+    claim_folder(tmp_path).close()  # not "another run is writing there": the refused claims let their lock go
+
+
+def test_the_disk_check_counts_the_tensors_and_passes_over_a_modules_extra_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    class WithExtraState(nn.Linear):
+        def get_extra_state(self) -> dict[str, str]:
+            return {"note": "not a tensor"}
+
+        def set_extra_state(self, state: object) -> None:
+            pass
+
+    model = WithExtraState(1000, 1000)  # 4,004,000 bytes of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # and as many of momentum
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda folder: shutil._ntuple_diskusage(10**9, 0, 10**6))
+    checkpoint.warn_if_the_disk_is_short(tmp_path, model, optimizer, epochs_with_weights=1)
+    # the checkpoint (weights and momentum), best.pth and one model-N.pth: 4 x 4,004,000 bytes
+    assert "the run writes about 15.3 MB" in capsys.readouterr().err
