@@ -91,7 +91,9 @@ def test_a_corrupt_image_is_named_in_one_line(tmp_path: Path, launcher: str, wor
     collective then fails, stop without a word."""
     broken = make_image_folder(tmp_path / "images", {"a": 10, "b": 10})
     photo = broken / "b" / "b_004.jpg"
-    photo.write_bytes(photo.read_bytes()[:-100])  # its header is whole: only decoding finds the damage
+    data = photo.read_bytes()
+    scan = data.index(b"\xff\xda")  # the compressed pixels start here: cut in their middle, the header stays whole
+    photo.write_bytes(data[:scan + (len(data) - scan) // 2])  # only decoding finds the damage
     result = run([*SCRIPTS[launcher], "--data-path", str(broken), "--output-dir", str(tmp_path / "run"),
                   *TINY_FLAGS, "--workers", workers, "--epochs", "2"], timeout=120)
     assert result.returncode == (1 if launcher == "torchrun" else 2)  # torchrun exits 1 for any failed worker
