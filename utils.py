@@ -155,11 +155,6 @@ def read_samples(path: Path) -> Samples:
                              f"{system_reason(err)}") from None
 
 
-def data_root(path: str | os.PathLike) -> Path:
-    """The folder the paths of a run's split record are relative to: --data-path, or the folder of its file."""
-    return Path(path) if Path(path).is_dir() else Path(path).parent
-
-
 def split_digest(split: SplitData) -> str:
     """A fingerprint of which images train and which validate, with their classes: equal for equal splits."""
     digest = hashlib.sha256(json.dumps(split.class_names).encode())
@@ -214,30 +209,29 @@ def read_split_data(root: str | os.PathLike, val_rate: float = VAL_RATE, seed: i
 
 def reuse_split(path: Path, record: dict[str, Any]) -> SplitData:
     """The split a run was started with (SplitData.record), on the files --data-path holds now; what changed is said."""
-    samples = read_samples(path)
-    if samples.class_names != record["class_names"]:
+    again = read_split_data(path, seed=record.get("seed", 0))  # one listing, in the layout the folder has now
+    if again.class_names != record["class_names"]:
         raise UserInputError(f"--data-path {path}: the classes differ from the run's ("
-                             f"{class_changes(record, samples.class_names)}); a run keeps its classes: start a new "
+                             f"{class_changes(record, again.class_names)}); a run keeps its classes: start a new "
                              "run (another --output-dir) for these")
-    if "digest" in record:
-        again = read_split_data(path, seed=record["seed"])
-        if split_digest(again) == record["digest"]:
-            return again
-        record = recorded_files(record)
-    present = dict(zip(Paths(samples.paths).relative(), samples.labels, strict=True))
+    if split_digest(again) == record.get("digest"):
+        return again
+    record = recorded_files(record)
+    every_image = again.train_images_path + again.val_images_path
+    present = dict(zip(every_image.relative(), again.train_images_label + again.val_images_label, strict=True))
     sides = {}
     for side in ("train", "val"):
         kept = [relative for relative in record[side] if relative in present]
         if not kept:
             raise UserInputError(f"--data-path {path}: none of the run's {side} images is there any more")
-        sides[side] = (Paths(kept, str(data_root(path))), [present[relative] for relative in kept])
+        sides[side] = (Paths(kept, every_image.root), [present[relative] for relative in kept])
     kept = len(sides["train"][0]) + len(sides["val"][0])
     gone, added = len(record["train"]) + len(record["val"]) - kept, len(present) - kept
     changes = "; ".join(filter(None, [gone and f"{gone} image(s) of the run's split are gone",
                                       added and f"{added} new image(s) are left out (a new run would use them)"]))
     if changes:
         print_main(f"{path}: {changes}; the run keeps its split for the other images")
-    return SplitData(*sides["train"], *sides["val"], list(samples.class_names), record.get("layout", "random"),
+    return SplitData(*sides["train"], *sides["val"], list(again.class_names), record.get("layout", "random"),
                      record.get("seed", 0))
 
 

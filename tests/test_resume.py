@@ -14,6 +14,7 @@ import torch
 
 import multi_train_utils.fit as engine
 import train_single_gpu
+import utils
 from conftest import (
     REPO,
     TINY_FLAGS,
@@ -289,6 +290,33 @@ def test_a_resume_keeps_the_runs_classes_and_split_whatever_happened_to_the_fold
     with pytest.raises(UserInputError, match=r"the classes differ from the run's \(gone: red; new: crimson\)"):
         train(data, out, "--epochs", "3", "--resume", "auto")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before, "nothing written is lost"
+
+
+def test_a_run_on_train_and_val_folders_resumes_on_its_split_from_one_listing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """ImageNet's layout: a resumed run finds its split in train/ and val/ again, each class folder listed once
+    (a second listing of ImageNet takes seconds); after files changed it keeps its own, val/ still apart."""
+    data = tmp_path / "imagenet"
+    make_image_folder(data / "train", {"n01": 6, "n02": 6})
+    make_image_folder(data / "val", {"n01": 2, "n02": 2})
+    out = tmp_path / "run"
+    train(data, out, "--epochs", "1")
+    started = json.loads((out / "split.json").read_text())
+    listed, list_images = [], utils.list_images
+    monkeypatch.setattr(utils, "list_images", lambda folder, prefix="": listed.append(str(folder))
+                        or list_images(folder, prefix))
+    train(data, out, "--epochs", "2", "--resume", "auto")
+    assert sorted(listed) == [str(data / side / name) for side in ("train", "val") for name in ("n01", "n02")]
+    assert json.loads((out / "split.json").read_text()) == started
+
+    (data / started["val"][0]).unlink()
+    write_image(data / "train" / "n01" / "new_photo.jpg", (220, 40, 40))
+    capsys.readouterr()
+    train(data, out, "--epochs", "3", "--resume", "auto")
+    assert "1 image(s) of the run's split are gone; 1 new image(s) are left out" in capsys.readouterr().out
+    kept = json.loads((out / "split.json").read_text())
+    assert kept["train"] == started["train"] and kept["val"] == started["val"][1:]
+    assert all(path.startswith("val/") for path in kept["val"])
 
 
 def test_a_checkpoint_cut_short_names_the_newest_older_one_that_loads(data: Path, tmp_path: Path) -> None:
