@@ -129,17 +129,16 @@ def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> P
     return None
 
 
-def trained_image_size(resume: str | None, output_dir: str | os.PathLike) -> int | None:
-    """The image size the run to resume (or validate) trained at, None if there is none; read without loading
-    its tensors (mmap), since the flags are parsed before rank 0 reads the checkpoint. Weights validated at
-    another size than they trained at score near chance, and nothing would say why."""
+def trained_flags(resume: str | None, output_dir: str | os.PathLike) -> dict[str, Any]:
+    """The flags of the run to resume (or validate), {} if there is none; read without loading its tensors (mmap),
+    since the flags are parsed before rank 0 reads the checkpoint."""
     try:
         path = checkpoint_to_resume(resume, output_dir)
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
     except Exception:
-        return None  # find_saved_run names what is wrong with the file
+        return {}  # find_saved_run names what is wrong with the file
     flags = saved.get("args") if isinstance(saved, dict) else None
-    return flags.get("image_size") if isinstance(flags, dict) else None
+    return flags if isinstance(flags, dict) else {}
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

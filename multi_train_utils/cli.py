@@ -13,7 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Literal, NoReturn
 
-from .checkpoint import BEST_METRICS, trained_image_size
+from .checkpoint import BEST_METRICS, trained_flags
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
 from .errors import UserInputError, path_kind
 from .files import check_readable_file
@@ -27,6 +27,7 @@ Launcher = Literal["single", "launch", "spawn"]
 # laptop CPU; on your own photographs the tutorial's values apply.
 DEMO_DEFAULTS = {"epochs": 16, "batch_size": 32, "image_size": 32, "lr": 0.002}
 DATA_DEFAULTS = {"epochs": 30, "batch_size": 16, "image_size": 224, "lr": 0.001}
+DEFAULT_MODEL = "resnet34"
 
 
 def str2bool(text: str) -> bool:
@@ -167,8 +168,8 @@ FLAGS = {
                   "0.1)"),
     "--warmup-epochs": dict(type=at_least(0), default=0, help="epochs of linear lr warm-up before the schedule, "
                             "rising every optimizer step"),
-    "--model": dict(default="resnet34", help="a model registered in model.py, or any torchvision classification "
-                    "model, by name"),
+    "--model": dict(default=None, help="a model registered in model.py, or any torchvision classification "
+                    f"model, by name (default {DEFAULT_MODEL}; a resumed or validated run keeps its own)"),
     "--weights": dict(default="", help="starting weights: a .pth file, or a torchvision weights name such as "
                       "DEFAULT (downloads)"),
     "--freeze-layers": dict(**BOOLEAN, default=False, help="train only the classifier (true/false)"),
@@ -260,9 +261,13 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
     """Parse the flags and fill in the defaults that depend on whether the demo data is used."""
     parser = get_args_parser(launcher)
     args = parser.parse_args(argv)
-    if args.image_size is None and (args.resume or args.eval_only):
-        # the run goes on (or is validated) at the size it trained at, whichever data it is given now
-        args.image_size = trained_image_size(args.resume or "auto", args.output_dir)
+    if (args.model is None or args.image_size is None) and (args.resume or args.eval_only):
+        # The run goes on (or is validated) with the model and the image size it trained with, whichever data it
+        # is given now: weights validated at another size score near chance, and nothing would say why.
+        trained = trained_flags(args.resume or "auto", args.output_dir)
+        args.model = args.model or trained.get("model")
+        args.image_size = args.image_size or trained.get("image_size")
+    args.model = args.model or DEFAULT_MODEL
     defaults = DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:

@@ -61,16 +61,20 @@ def test_eval_only_reproduces_the_epoch_that_saved_the_weights(trained: tuple[Pa
     assert not (out / "metrics.jsonl").read_text().count("\n") > len(lines), "evaluating writes nothing"
 
 
-def test_validating_or_resuming_keeps_the_image_size_the_run_trained_at(trained: tuple[Path, Path]) -> None:
-    """Trained at 16 pixels, a run validated or resumed on data named with --data-path (whose default is 224)
-    stays at 16, as the same run validated without flags does; a size given is used."""
+def test_validating_or_resuming_keeps_the_model_and_image_size_the_run_trained_with(
+        trained: tuple[Path, Path]) -> None:
+    """Trained as resnet18 at 16 pixels, a run validated or resumed on data named with --data-path (whose
+    defaults are resnet34 and 224) stays resnet18 at 16, as the same run validated without flags does; what is
+    given is used."""
     data, out = trained
     common = ["--data-path", str(data), "--output-dir", str(out)]
-    assert parse_args("single", [*common, "--eval-only"]).image_size == 16
-    assert parse_args("launch", [*common, "--resume", "auto"]).image_size == 16
-    assert parse_args("single", [*common, "--eval-only", "--image-size", "24"]).image_size == 24
-    assert parse_args("single", ["--data-path", str(data), "--output-dir", str(out / "new")]).image_size == 224
-    flags = [flag for flag in TINY_FLAGS if flag not in ("--image-size", "16")]
+    for args in (parse_args("single", [*common, "--eval-only"]), parse_args("launch", [*common, "--resume", "auto"])):
+        assert (args.model, args.image_size) == ("resnet18", 16)
+    given = parse_args("single", [*common, "--eval-only", "--image-size", "24", "--model", "resnet50"])
+    assert (given.model, given.image_size) == ("resnet50", 24)
+    new = parse_args("single", ["--data-path", str(data), "--output-dir", str(out / "new")])
+    assert (new.model, new.image_size) == ("resnet34", 224)
+    flags = [flag for flag in TINY_FLAGS if flag not in ("--image-size", "16", "--model", "resnet18")]
     result = run([python(), str(REPO / "train_single_gpu.py"), *common, *flags, "--eval-only"], timeout=120)
     assert result.returncode == 0, result.stderr
     best = max(metrics(out), key=lambda m: (m["val_acc"], m["epoch"]))
