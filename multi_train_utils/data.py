@@ -63,7 +63,10 @@ class ResumableDistributedSampler(DistributedSampler):
     def skip(self, samples_seen: int) -> None:
         """Start this epoch after the first `samples_seen` samples of its permutation (all processes' together)."""
         self.samples_seen = samples_seen
-        self.skipped = samples_seen // self.num_replicas  # this process's share of them
+
+    @property
+    def skipped(self) -> int:  # this process's share of the samples skipped
+        return self.samples_seen // self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
