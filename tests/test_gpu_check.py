@@ -92,6 +92,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_a_hung_part_a_killed_part_and_a_cut_pytest_are_reported_within_the_budget(
         tmp_path: Path, hanging_part: list[str]) -> None:
     """The tests part runs last with a limit of its own far above what the 25 s budget leaves: the budget
@@ -129,6 +130,7 @@ def test_a_hung_part_a_killed_part_and_a_cut_pytest_are_reported_within_the_budg
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_ends_the_running_part_and_writes_what_finished(tmp_path: Path, hanging_part: list[str],
                                                                       stop: signal.Signals) -> None:

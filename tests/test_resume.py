@@ -246,6 +246,7 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.schedulers  # torchrun's elastic agent restarting the job
 def test_torchrun_restart_after_a_sigkilled_rank_ends_with_the_same_weights(data: Path, tmp_path: Path) -> None:
     """With a checkpoint after every step, the restarted attempt goes on from the step before the kill."""
     cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", "--max-restarts=1",
