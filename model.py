@@ -17,6 +17,10 @@ from multi_train_utils.files import load_file
 
 ModelFactory = Callable[..., nn.Module]  # called as factory(num_classes=N)
 MODELS: dict[str, ModelFactory] = {}  # your own models, by the name --model gives them
+# torchvision's two models with auxiliary classifiers return those outputs beside the logits while training, which
+# the loss does not take: built without them (their weights initialised as torchvision does, without its warning).
+WITHOUT_AUX_LOGITS = {"googlenet": {"aux_logits": False, "init_weights": True},
+                      "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
 def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
@@ -47,7 +51,7 @@ def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
     check_model_name(name)
     if name in MODELS:
         return MODELS[name](num_classes=num_classes)
-    return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **WITHOUT_AUX_LOGITS.get(name, {}))
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -87,12 +91,13 @@ def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.T
 
 def check_model_input(name: str, image_size: int, batch_size: int) -> None:
     """One training forward pass on the meta device (shapes only) with the batch BatchNorm normalises, so that an
-    image size the model cannot take, or a batch BatchNorm cannot normalise, fails now in one line."""
+    image size the model cannot take, a batch BatchNorm cannot normalise, or an output that is not the logits fails
+    now in one line."""
     check_model_name(name)
     try:
         with torch.device("meta"):
             model = create_model(name, num_classes=2)
-        model.train()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+        output = model.train()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
     except NotImplementedError:
         return  # this model cannot be built without memory: its first real step will tell
     except (RuntimeError, ValueError, AssertionError) as err:
@@ -100,6 +105,9 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
         raise UserInputError(f"{flag} {batch_size if flag == '--batch-size' else image_size}: {name} cannot train "
                              f"on batches of {batch_size} images of {image_size} x {image_size} px "
                              f"({str(err).splitlines()[0]})") from None
+    if not isinstance(output, torch.Tensor):
+        raise UserInputError(f"--model {name}: its forward returns a {type(output).__name__} while training, where the "
+                             "loss takes the logits alone (one tensor); make forward return them")
 
 
 def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = False) -> None:

@@ -56,6 +56,14 @@ def at_least(low: int, at_most: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def path_text(text: str) -> str:
+    """A path, not an empty string: `--data-path "$DATA"` with DATA unset would train on the demo data, and
+    `--output-dir ""` write into the current folder, each without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (a variable that is not set?)")
+    return text
+
+
 def positive_float(text: str, at_most: float = math.inf) -> float:
     """A finite number above 0 (and at most `at_most`): "inf" and "nan" parse as floats, but train nothing."""
     try:
@@ -137,8 +145,8 @@ def default_weight_decays() -> str:
 # them; docs/flags.md lists every flag (a test checks it by name).
 FLAGS = {
     # the data
-    "--data-path": dict(default=None, help="folder with one sub-folder of images per class (or train/ and val/ "
-                        "folders of class sub-folders); without it, the built-in demo data"),
+    "--data-path": dict(type=path_text, default=None, help="folder with one sub-folder of images per class (or "
+                        "train/ and val/ folders of class sub-folders); without it, the built-in demo data"),
     "--num_classes": dict(type=at_least(2), default=None, help="number of classes (default: from the data)"),
     "--image-size": dict(type=at_least(16, MAX_IMAGE_SIZE), default=None, help="side of the square training crop "
                          f"in pixels {on_the_demo_data('image_size')[:-1]}; a resumed or validated run keeps its own)"),
@@ -204,7 +212,7 @@ FLAGS = {
     "--accum-steps": dict(type=at_least(1, 1024), default=1, help="batches whose gradients add up before each "
                           "optimizer step (the lr is multiplied by it too)"),
     # what the run writes
-    "--output-dir": dict(default="output", help="folder for everything the run writes"),
+    "--output-dir": dict(type=path_text, default="output", help="folder for everything the run writes"),
     "--save-every": dict(type=at_least(1), default=1, help="write the checkpoint every N epochs (and after the "
                          "last); a resume goes back to the last one"),
     "--keep-epoch-weights": dict(**BOOLEAN, default=True, help="keep weights/model-{epoch}.pth of every epoch; "
@@ -221,8 +229,8 @@ FLAGS = {
                          "30 s after SIGTERM by default)"),
     "--keep-checkpoints": dict(type=at_least(1, 1000), default=1, help="how many of the newest checkpoints to keep: "
                                "checkpoint.pth, and the K-1 before it in checkpoints/"),
-    "--resume": dict(default=None, help="checkpoint to continue from, or auto: the one in --output-dir if there is "
-                     "one (an attempt that torchrun restarted does this by itself)"),
+    "--resume": dict(type=path_text, default=None, help="checkpoint to continue from, or auto: the one in "
+                     "--output-dir if there is one (an attempt that torchrun restarted does this by itself)"),
     "--eval-only": dict(**BOOLEAN, default=False, help="train nothing: validate --weights (default: --output-dir's "
                         "weights/best.pth) once on the run's validation split, and print the result as one JSON "
                         "line (true/false)"),
@@ -265,9 +273,9 @@ def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argpars
         # The run goes on (or is validated) with the model and the image size it trained with, whichever data it
         # is given now: weights validated at another size score near chance, and nothing would say why.
         trained = trained_flags(args.resume or "auto", args.output_dir)
-        args.model = args.model or trained.get("model")
-        args.image_size = args.image_size or trained.get("image_size")
-    args.model = args.model or DEFAULT_MODEL
+        args.model = trained.get("model") if args.model is None else args.model
+        args.image_size = trained.get("image_size") if args.image_size is None else args.image_size
+    args.model = DEFAULT_MODEL if args.model is None else args.model
     defaults = DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:

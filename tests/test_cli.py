@@ -56,7 +56,9 @@ def test_boolean_flag_alone_means_true_and_absent_means_false() -> None:
                                   # past what the arithmetic they feed holds
                                   ["--lr", "1e308"], ["--lr", "1e7"], ["--dist-timeout", "1e308"],
                                   ["--weight-decay", "1e300"], ["--weight-decay", "-0.1"], ["--stop-grace", "1e300"],
-                                  ["--checkpoint-every-minutes", "1e300"], ["--clip-grad-norm", "1e300"]])
+                                  ["--checkpoint-every-minutes", "1e300"], ["--clip-grad-norm", "1e300"],
+                                  # an empty path: a shell variable that is not set, as in --data-path "$DATA"
+                                  ["--data-path", ""], ["--output-dir", " "], ["--resume", ""]])
 def test_out_of_range_values_are_refused_naming_the_flag(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run_cli(lambda args: pytest.fail("ran"), "spawn", argv)
@@ -155,6 +157,7 @@ def test_files_named_by_flags_are_checked_before_any_work(flags: list[str], star
     (["--model", "vit_b_16", "--image-size", "64"], "error: --image-size 64: vit_b_16 cannot train"),
     (["--weights", "IMAGENET_NONE"], "error: --weights IMAGENET_NONE: no such file, and not a torchvision weights"),
     (["--data-path", "/no/such/folder"], "error: --data-path /no/such/folder: no such folder"),
+    (["--model", ""], "error: --model '': neither a model registered in model.py nor a torchvision"),
     (["--data-path", __file__], f"error: --data-path {__file__}: not a folder"),
 ])
 def test_the_model_and_the_data_are_checked_before_anything_is_written(

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import model
 from model import check_model_input, create_model, load_weights
 from multi_train_utils import checkpoint
 from multi_train_utils.distributed_utils import DistContext, normalised_batch
@@ -168,6 +169,30 @@ def test_a_batch_the_model_cannot_train_on_is_refused_before_any_work(model: str
     with pytest.raises(UserInputError, match=f"^{flag}: {model} cannot train on batches of {batch_size} images"):
         check_model_input(model, image_size, batch_size)
     check_model_input(model, 224, 2)
+
+
+@pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
+def test_the_models_with_auxiliary_classifiers_train_on_their_logits(name: str) -> None:
+    """torchvision builds these with auxiliary classifiers, whose outputs come beside the logits while training:
+    the loss would fail on them with a traceback at the first step."""
+    check_model_input(name, 80, 2)
+    model = create_model(name, num_classes=3).train()
+    nn.CrossEntropyLoss()(model(torch.rand(2, 3, 80, 80)), torch.tensor([0, 2])).backward()
+
+
+def test_a_model_whose_training_output_is_not_a_tensor_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    class TwoHeads(nn.Module):
+        def __init__(self, num_classes: int) -> None:
+            super().__init__()
+            self.head = nn.Linear(3, num_classes)
+
+        def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.head(images.mean(dim=(2, 3)))
+            return logits, logits
+
+    monkeypatch.setitem(model.MODELS, "two_heads", TwoHeads)
+    with pytest.raises(UserInputError, match=r"^--model two_heads: its forward returns a tuple while training"):
+        check_model_input("two_heads", 32, 2)
 
 
 def test_batch_norm_of_one_image_is_refused_unless_sync_batch_norm_sees_several_processes() -> None:
