@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Literal, NoReturn
+from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS, trained_flags
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
@@ -337,3 +338,17 @@ def check_before_start(args: argparse.Namespace) -> None:
                              "with --weights, or the run's folder with --output-dir")
     if args.resume not in (None, "auto"):
         check_readable_file(Path(args.resume), "--resume")
+    if getattr(args, "dist_url", "").startswith("file://"):
+        check_meeting_file(args.dist_url)
+
+
+def check_meeting_file(dist_url: str) -> None:
+    """--dist-url file://PATH: every process must be able to create that file. In a folder that is not there they
+    would wait for ever: PyTorch's file store retries, whatever --dist-timeout says."""
+    path = Path(urlparse(dist_url).path)  # as PyTorch reads it
+    if not path.name or path_kind(path, "--dist-url") not in ("missing", "file"):
+        raise UserInputError(f"--dist-url {dist_url}: names no file; use file:///FOLDER/NAME, with a folder that "
+                             "every machine sees")
+    if path_kind(path.parent, "--dist-url") != "folder":
+        raise UserInputError(f"--dist-url {dist_url}: there is no folder {path.parent}; create it (on a file system "
+                             "every machine sees), or use env://")

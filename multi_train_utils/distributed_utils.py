@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -299,6 +300,10 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
             if not os.environ.get(name):
                 raise meeting_point_unset(name)
         env_number(os.environ, "MASTER_PORT")
+    if dist_url == "env://":
+        check_meeting_host(os.environ["MASTER_ADDR"], f"MASTER_ADDR {os.environ['MASTER_ADDR']}")
+    elif urlparse(dist_url).hostname:  # tcp://HOST:PORT
+        check_meeting_host(urlparse(dist_url).hostname, f"--dist-url {dist_url}")
     backend = process_group_backend(ctx.device)
     if backend == "gloo" and launch.world_size > launch.local_world_size:  # several machines
         choose_gloo_interface(os.environ, says=ctx.local_rank == 0)
@@ -310,7 +315,7 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
                                     world_size=ctx.world_size, rank=ctx.rank, timeout=timeout,
                                     device_id=ctx.device if backend == "nccl" else None)
     except RuntimeError as err:
-        failure = meeting_failure(err, ctx, timeout_s)
+        failure = meeting_failure(err, ctx, timeout_s, dist_url)
         if failure is None:
             raise
         raise failure from None
@@ -330,6 +335,16 @@ def restart_safe_store(ctx: DistContext, timeout: datetime.timedelta) -> dist.St
     return dist.PrefixStore(f"attempt{attempt}", store)
 
 
+def check_meeting_host(host: str, named: str) -> None:
+    """Where rank 0's address is a name this machine cannot look up, say so at once: PyTorch would retry it until
+    --dist-timeout, printing pages of its C++ log."""
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as err:
+        raise GroupNotFormedError(f"{named}: this machine cannot find the host {host} ({err.strerror.lower()}); "
+                                  "give rank 0's IP address, or a name that every machine resolves") from None
+
+
 def meeting_point_unset(name: str) -> UserInputError:
     return UserInputError(f"{name} is not set: the processes meet at MASTER_ADDR:MASTER_PORT (rank 0's address and "
                           "a free port), which a launcher such as torchrun sets")
@@ -339,11 +354,12 @@ class GroupNotFormedError(UserInputError):
     """The processes never met: each says so itself, since none can count on another to."""
 
 
-def meeting_failure(err: RuntimeError, ctx: DistContext, timeout_s: float) -> UserInputError | None:
+def meeting_failure(err: RuntimeError, ctx: DistContext, timeout_s: float,
+                    dist_url: str = "env://") -> UserInputError | None:
     """The one-line error for processes that could not meet (their port was taken, or some never came), or None."""
     if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
         return UserInputError(port_taken_line(os.environ.get("MASTER_PORT")))
-    missing = processes_missing_line(err, ctx, timeout_s)
+    missing = processes_missing_line(err, ctx, timeout_s, dist_url)
     return None if missing is None else GroupNotFormedError(missing)
 
 
@@ -355,17 +371,19 @@ def port_taken_line(port: str | None) -> str:
             "MASTER_PORT for the spawn script to pick one")
 
 
-def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: float) -> str | None:
+def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: float,
+                           dist_url: str = "env://") -> str | None:
     """For a group that never formed within --dist-timeout: on rank 0, how many of the processes came (the store
     counts them); on the others, that rank 0's address did not answer. None for other errors."""
-    message, address = str(err), meeting_point()
+    message = str(err)
+    where = f"MASTER_ADDR:MASTER_PORT {meeting_point()}" if dist_url == "env://" else f"--dist-url {dist_url}"
     joined = re.search(r"(\d+)/(\d+) clients joined", message)
     if joined:
         return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
                 f"{timeout_s:g} s (WORLD_SIZE={ctx.world_size}): start every rank (torchrun --nproc_per_node "
-                f"starts them all), or check that the other machines reach MASTER_ADDR:MASTER_PORT {address}")
+                f"starts them all), or check that the other machines reach {where}")
     if re.search(r"failed to connect|connection refused|timed out|timeout", message, re.IGNORECASE):
-        return (f"rank {ctx.rank} could not reach rank 0's MASTER_ADDR:MASTER_PORT {address} within "
+        return (f"rank {ctx.rank} could not reach rank 0's {where} within "
                 f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
                 "(not 127.0.0.1 from another machine)?")
     return None

@@ -150,6 +150,21 @@ def test_files_named_by_flags_are_checked_before_any_work(flags: list[str], star
     assert line.startswith(start), line
 
 
+@pytest.mark.parametrize(("url", "start"), [
+    ("file:///no/such/folder/meet",
+     "error: --dist-url file:///no/such/folder/meet: there is no folder /no/such/folder"),
+    ("file:///tmp", "error: --dist-url file:///tmp: names no file"),
+])
+def test_a_meeting_file_that_cannot_be_made_is_one_line_before_any_process_starts(
+        url: str, start: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """PyTorch's file store waits for ever on a file it cannot create, whatever --dist-timeout says."""
+    with pytest.raises(SystemExit) as stop:
+        run_cli(lambda args: pytest.fail("processes started"), "spawn", ["--world-size", "2", "--dist-url", url])
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(start), line
+
+
 @pytest.mark.parametrize(("flags", "start"), [
     (["--model", "resnet_nine"], "error: --model 'resnet_nine': neither a model registered in model.py nor a "
                                  "torchvision classification model"),

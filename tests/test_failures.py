@@ -173,21 +173,27 @@ def test_a_group_that_never_forms_is_one_line_from_the_process_that_waited(data:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize(("variables", "said"), [
-    ({"RANK": "1"}, "error: RANK=1 is set but WORLD_SIZE is not"),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "error: MASTER_ADDR is not set")])
+@pytest.mark.parametrize(("variables", "flags", "said"), [
+    ({"RANK": "1"}, [], "error: RANK=1 is set but WORLD_SIZE is not"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, [], "error: MASTER_ADDR is not set"),
+    # a name no machine resolves: PyTorch would retry it until --dist-timeout, with pages of C++ log
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "nohost.invalid", "MASTER_PORT": "1234"}, [],
+     "error: MASTER_ADDR nohost.invalid: this machine cannot find the host nohost.invalid"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, ["--dist-url", "tcp://nohost.invalid:1234"],
+     "error: --dist-url tcp://nohost.invalid:1234: this machine cannot find the host nohost.invalid")])
 def test_a_launchers_variables_by_hand_that_cannot_work_are_refused(data: Path, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     capsys: pytest.CaptureFixture[str],
-                                                                    variables: dict[str, str], said: str) -> None:
+                                                                    variables: dict[str, str], flags: list[str],
+                                                                    said: str) -> None:
     import train_multi_gpu_using_launch
 
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(SystemExit) as stop:
         run_cli(train_multi_gpu_using_launch.main, "launch", ["--data-path", str(data), "--output-dir",
-                                                              str(tmp_path / "run"), *TINY_FLAGS])
+                                                              str(tmp_path / "run"), *TINY_FLAGS, *flags])
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(said), line
