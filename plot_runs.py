@@ -32,7 +32,7 @@ from multi_train_utils.confusion import confusion_image
 
 
 class RunFolderError(ValueError):
-    """A run folder without readable metrics: reported as one line."""
+    """A run folder without readable metrics, or an --out-dir that cannot be written: reported as one line."""
 
 
 @dataclass(frozen=True)
@@ -142,14 +142,18 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
     labels = args.labels or [None] * len(args.runs)
     runs = [read_run(folder, label) for folder, label in zip(args.runs, labels, strict=True)]
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [
-        save(plot_accuracy(runs), out_dir / f"{args.prefix}accuracy.png"),
-        save(plot_loss(runs), out_dir / f"{args.prefix}loss.png"),
-        save(plot_epoch_time(runs), out_dir / f"{args.prefix}epoch_time.png"),
-    ]
-    if "confusion_matrix" in runs[0].metrics[-1]:  # absent from runs written before it was counted
-        written.append(save_confusion_matrix(runs[0], out_dir / f"{args.prefix}confusion_matrix.png"))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = [
+            save(plot_accuracy(runs), out_dir / f"{args.prefix}accuracy.png"),
+            save(plot_loss(runs), out_dir / f"{args.prefix}loss.png"),
+            save(plot_epoch_time(runs), out_dir / f"{args.prefix}epoch_time.png"),
+        ]
+        if "confusion_matrix" in runs[0].metrics[-1]:  # absent from runs written before it was counted
+            written.append(save_confusion_matrix(runs[0], out_dir / f"{args.prefix}confusion_matrix.png"))
+    except OSError as err:
+        raise RunFolderError(f"--out-dir {out_dir}: cannot write there ({(err.strerror or str(err)).lower()})"
+                             ) from None
     return written
 
 

@@ -23,14 +23,14 @@ from torch import nn
 
 from model import check_model_name, create_model, read_state_dict
 from multi_train_utils.checkpoint import state_dict_mismatch
-from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLineErrorParser, at_least
+from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLineErrorParser, at_least, path_text
 from multi_train_utils.distributed_utils import resolve_device, use_device
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.files import load_file
 from multi_train_utils.recorder import CHECKPOINT_NAME
 from multi_train_utils.train_eval_utils import to_model_input
 from my_dataset import UnreadableImageError, build_transforms, decode_rgb
-from utils import list_images
+from utils import IMAGE_EXTENSIONS, list_images
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description=__doc__.splitlines()[0], formatter_class=DefaultsOnceFormatter)
     add = parser.add_argument
     add("images", nargs="+", help="image files, or folders whose images (sub-folders too) are all classified")
-    add("--run", default=None, help="the --output-dir of a training run (default: the run --weights belongs to, "
-        "else output)")
+    add("--run", type=path_text, default=None, help="the --output-dir of a training run (default: the run --weights "
+        "belongs to, else output)")
     add("--weights", default=None, help="weights to use instead of the run's weights/best.pth "
         "(such as weights/best_ema.pth)")
     add("--model", default=None, help="the model's name, if not the run's")
@@ -142,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     use_device(device)
     model = load_model(run, device)
     paths = image_files(args.images)
+    if not paths:
+        raise UserInputError(f"no image in {', '.join(args.images)} (nor in its sub-folders: "
+                             f"{', '.join(IMAGE_EXTENSIONS)})")
     classified = 0
     for path, probabilities in predict(model, paths, run.image_size, device, args.batch_size):
         print(describe(path, probabilities, run.class_names, args.top_k, args.json), flush=True)

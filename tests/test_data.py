@@ -160,6 +160,22 @@ def test_plot_data_loader_image_saves_a_png(image_folder: Path, tmp_path: Path) 
         assert max(img.getpixel((64, 64))) > 100
 
 
+
+@pytest.mark.parametrize(("flags", "start"), [
+    (["--out", "{tmp}/a_file/batch.png"], "--out {tmp}/a_file/batch.png: cannot write there"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1"),
+    (["--data-path", "{tmp}/a_file"], "--data-path {tmp}/a_file: not a folder")])
+def test_show_batch_says_what_is_wrong_in_one_line(image_folder: Path, tmp_path: Path, flags: list[str],
+                                                   start: str) -> None:
+    import show_batch
+
+    (tmp_path / "a_file").write_text("")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    with pytest.raises(UserInputError) as caught:
+        show_batch.main(["--data-path", str(image_folder), "--image-size", "16", *flags])
+    assert str(caught.value).startswith(start.format(tmp=tmp_path)) and "\n" not in str(caught.value)
+
+
 def test_demo_data_is_written_once_and_deterministically(tmp_path: Path) -> None:
     first, second = tmp_path / "one", tmp_path / "two"
     demo_data.write_demo_dataset(first, images_per_class=3)

@@ -4,14 +4,17 @@ or several; predict.py agrees with it on the same files; the averaged weights ar
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+import predict
 import train_single_gpu
 from conftest import REPO, TINY_FLAGS, make_image_folder, python, run, torchrun
 from multi_train_utils.cli import parse_args
+from multi_train_utils.errors import UserInputError
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +130,9 @@ def test_predict_finds_the_run_of_its_weights_and_errs_in_one_line(trained: tupl
         result = run([python(), str(REPO / "predict.py"), *flags, image], timeout=120)
         assert result.returncode == 2 and result.stderr.startswith(start), result.stderr
         assert len(result.stderr.splitlines()) == 1 and len(result.stderr) < 300, result.stderr
+    empty = out.parent / "no_images"
+    empty.mkdir()
+    for argv, start in ([["--run", str(out), str(empty)], f"no image in {empty} (nor in its sub-folders"],
+                        [["--run", "", image], "argument --run: expected a path, got ''"]):
+        with pytest.raises(UserInputError, match=f"^{re.escape(start)}"):
+            predict.main(argv)

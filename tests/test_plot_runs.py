@@ -63,6 +63,12 @@ def test_a_folder_without_metrics_is_named(tmp_path: Path) -> None:
         plot_runs.read_run(tmp_path)
 
 
+def test_an_out_dir_that_cannot_be_written_is_named(two_runs: list[str], tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(plot_runs.RunFolderError, match=rf"^--out-dir {tmp_path / 'a_file'}: cannot write there"):
+        plot_runs.main([*two_runs, "--out-dir", str(tmp_path / "a_file")])
+
+
 def test_the_first_runs_last_confusion_matrix_is_drawn_with_its_class_names(tmp_path: Path) -> None:
     folder = write_run(tmp_path / "run", 1, [0.5])
     line = json.loads((folder / "metrics.jsonl").read_text())
