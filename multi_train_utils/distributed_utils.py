@@ -85,11 +85,21 @@ def detect_launch(env: Mapping[str, str], spawn_rank: int | None = None,
     if ("RANK" in env) != ("WORLD_SIZE" in env):  # N processes would each train alone, into one folder
         raise half_of_rank_and_world_size(env)
     if "RANK" in env:  # torchrun; whoever sets RANK and WORLD_SIZE alone (a PyTorchJob) starts one per machine
-        return Launch(env_number(env, "RANK"), env_number(env, "LOCAL_RANK", 0), env_number(env, "WORLD_SIZE"),
-                      env_number(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
+        return rank_in_its_world(Launch(env_number(env, "RANK"), env_number(env, "LOCAL_RANK", 0),
+                                        env_number(env, "WORLD_SIZE"), env_number(env, "LOCAL_WORLD_SIZE", 1),
+                                        "torchrun"), "RANK", "WORLD_SIZE")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:  # srun; in sbatch or salloc alone, one process
-        return slurm_launch(env)
+        return rank_in_its_world(slurm_launch(env), "SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
     return Launch(0, 0, 1, 1, "single")
+
+
+def rank_in_its_world(launch: Launch, rank_name: str, size_name: str) -> Launch:
+    """`launch`, where its rank is one of its world's: a rank past them would wait for the others until
+    --dist-timeout, and a world of no process fails inside PyTorch."""
+    if not launch.rank < launch.world_size:
+        raise UserInputError(f"{rank_name}={launch.rank} with {size_name}={launch.world_size}: the ranks of a job run "
+                             f"from 0 to {size_name} - 1; set both as a launcher does")
+    return launch
 
 
 def half_of_rank_and_world_size(env: Mapping[str, str]) -> UserInputError:
@@ -299,7 +309,8 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if not os.environ.get(name):
                 raise meeting_point_unset(name)
-        env_number(os.environ, "MASTER_PORT")
+        if not 0 < env_number(os.environ, "MASTER_PORT") < 65536:
+            raise UserInputError(f"MASTER_PORT={os.environ['MASTER_PORT']}: a port is a number from 1 to 65535")
     if dist_url == "env://":
         check_meeting_host(os.environ["MASTER_ADDR"], f"MASTER_ADDR {os.environ['MASTER_ADDR']}")
     elif urlparse(dist_url).hostname:  # tcp://HOST:PORT

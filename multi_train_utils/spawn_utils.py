@@ -24,6 +24,7 @@ from .errors import (
     UserInputError,
     hold_back_ctrl_c,
     report,
+    system_reason,
 )
 
 CPU_PROCESSES_PER_CORE = 4
@@ -64,7 +65,13 @@ def meeting_on_a_free_port() -> Iterator[None]:
     win). The next job this process starts picks a port of its own."""
     chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": "127.0.0.1"}
     if "MASTER_PORT" not in os.environ:  # (MASTER_PORT_CHOSEN_BY: for the message if it is taken meanwhile)
-        port = find_free_port(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        try:
+            port = find_free_port(host)
+        except OSError as err:  # not an address of this machine, where every spawned process runs
+            raise UserInputError(f"MASTER_ADDR {host}: this machine cannot listen there ({system_reason(err)}); the "
+                                 "spawned processes all run here: unset MASTER_ADDR, or give an address of this "
+                                 "machine") from None
         chosen.update(MASTER_PORT=str(port), MASTER_PORT_CHOSEN_BY="spawn")
     os.environ.update(chosen)
     try:

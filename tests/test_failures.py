@@ -176,6 +176,12 @@ def test_a_group_that_never_forms_is_one_line_from_the_process_that_waited(data:
 @pytest.mark.parametrize(("variables", "flags", "said"), [
     ({"RANK": "1"}, [], "error: RANK=1 is set but WORLD_SIZE is not"),
     ({"RANK": "0", "WORLD_SIZE": "2"}, [], "error: MASTER_ADDR is not set"),
+    # a rank past the world would wait for the others until --dist-timeout; a world of none fails in PyTorch
+    ({"RANK": "3", "WORLD_SIZE": "2"}, [], "error: RANK=3 with WORLD_SIZE=2: the ranks of a job run from 0 to"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, [], "error: RANK=0 with WORLD_SIZE=0: the ranks of a job run from 0 to"),
+    ({"SLURM_PROCID": "2", "SLURM_STEP_NUM_TASKS": "2"}, [], "error: SLURM_PROCID=2 with SLURM_STEP_NUM_TASKS=2"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "99999"}, [],
+     "error: MASTER_PORT=99999: a port is a number from 1 to 65535"),
     # a name no machine resolves: PyTorch would retry it until --dist-timeout, with pages of C++ log
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "nohost.invalid", "MASTER_PORT": "1234"}, [],
      "error: MASTER_ADDR nohost.invalid: this machine cannot find the host nohost.invalid"),

@@ -60,6 +60,15 @@ def spawn_job(argv: list[str]) -> int:
     return ended.value.code
 
 
+def test_a_master_addr_that_is_not_this_machines_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                            no_preset_port: None) -> None:
+    """The spawned processes all run on this machine, which cannot listen on another's address (TEST-NET-1's)."""
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")
+    with pytest.raises(UserInputError, match=r"^MASTER_ADDR 192\.0\.2\.1: this machine cannot listen there"), \
+            spawn_utils.meeting_on_a_free_port():
+        pytest.fail("no port was chosen")
+
+
 @pytest.mark.slow
 def test_a_port_taken_after_the_script_chose_it_is_one_line(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
                                                              taken_port: int, tmp_path: Path,
