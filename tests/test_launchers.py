@@ -83,6 +83,7 @@ def test_a_failing_rank_ends_the_whole_job(odd_folder: Path, tmp_path: Path, lau
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
 
 
+@pytest.mark.schedulers  # two jobs a scheduler placed on one machine
 def test_two_spawn_jobs_at_once_both_finish(odd_folder: Path, tmp_path: Path) -> None:
     outs = [tmp_path / "first", tmp_path / "second"]
     jobs = [subprocess.Popen([python(), SPAWN, "--world-size", "2", *flags(odd_folder, out)], cwd=REPO,

@@ -311,6 +311,7 @@ def test_a_torchrun_job_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_u
 
 
 @pytest.mark.slow
+@pytest.mark.schedulers  # SLURM's --signal=B:USR1, and a resume on another number of processes
 def test_a_usr1_to_spawn_checkpoints_its_step_and_three_processes_train_every_remaining_sample_once(
         data: Path, tmp_path: Path) -> None:
     """SLURM's --signal=B:USR1@90 passed on to the spawn script; the checkpoint of the step where it stopped
