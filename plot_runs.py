@@ -29,6 +29,7 @@ from matplotlib import pyplot as plt  # after use(): the backend is chosen first
 from matplotlib.figure import Figure
 
 from multi_train_utils.confusion import confusion_image
+from multi_train_utils.errors import system_reason
 
 
 class RunFolderError(ValueError):
@@ -152,8 +153,7 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
         if "confusion_matrix" in runs[0].metrics[-1]:  # absent from runs written before it was counted
             written.append(save_confusion_matrix(runs[0], out_dir / f"{args.prefix}confusion_matrix.png"))
     except OSError as err:
-        raise RunFolderError(f"--out-dir {out_dir}: cannot write there ({(err.strerror or str(err)).lower()})"
-                             ) from None
+        raise RunFolderError(f"--out-dir {out_dir}: cannot write there ({system_reason(err)})") from None
     return written
 
 

@@ -311,10 +311,9 @@ def join_process_group(launch: Launch, ctx: DistContext, dist_url: str, timeout_
                 raise meeting_point_unset(name)
         if not 0 < env_number(os.environ, "MASTER_PORT") < 65536:
             raise UserInputError(f"MASTER_PORT={os.environ['MASTER_PORT']}: a port is a number from 1 to 65535")
-    if dist_url == "env://":
         check_meeting_host(os.environ["MASTER_ADDR"], f"MASTER_ADDR {os.environ['MASTER_ADDR']}")
-    elif urlparse(dist_url).hostname:  # tcp://HOST:PORT
-        check_meeting_host(urlparse(dist_url).hostname, f"--dist-url {dist_url}")
+    elif host := urlparse(dist_url).hostname:  # tcp://HOST:PORT
+        check_meeting_host(host, f"--dist-url {dist_url}")
     backend = process_group_backend(ctx.device)
     if backend == "gloo" and launch.world_size > launch.local_world_size:  # several machines
         choose_gloo_interface(os.environ, says=ctx.local_rank == 0)
