@@ -76,7 +76,8 @@ def test_a_nan_on_one_rank_stops_every_rank_and_keeps_the_last_checkpoint(data: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["single", "torchrun", "spawn"])
+@pytest.mark.parametrize("launcher", ["single", pytest.param("torchrun", marks=pytest.mark.every_launcher),
+                                      pytest.param("spawn", marks=pytest.mark.every_launcher)])
 def test_a_missing_data_folder_is_one_line_on_every_launcher(tmp_path: Path, launcher: str) -> None:
     result = run([*SCRIPTS[launcher], "--data-path", str(tmp_path / "nowhere"), "--output-dir",
                   str(tmp_path / "run"), *TINY_FLAGS], timeout=120)
@@ -85,7 +86,10 @@ def test_a_missing_data_folder_is_one_line_on_every_launcher(tmp_path: Path, lau
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize(("launcher", "workers"), [("single", "0"), ("single", "1"), ("torchrun", "0"), ("spawn", "1")])
+@pytest.mark.parametrize(("launcher", "workers"), [
+    ("single", "1"), ("spawn", "1"),
+    pytest.param("single", "0", marks=pytest.mark.every_launcher),
+    pytest.param("torchrun", "0", marks=pytest.mark.every_launcher)])
 def test_a_corrupt_image_is_named_in_one_line(tmp_path: Path, launcher: str, workers: str) -> None:
     """With several processes, one of them reads the file: it says so, and the others, whose next
     collective then fails, stop without a word."""
@@ -140,7 +144,8 @@ def test_a_rank_that_stops_answering_is_named_and_the_job_ends(data: Path, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("launcher", "said"), [
-    ("torchrun", "rank 0 lost its connection to rank(s) 1 (at 127.0.0.1): that process ended without a word"),
+    pytest.param("torchrun", "rank 0 lost its connection to rank(s) 1 (at 127.0.0.1): that process ended without a "
+                             "word", marks=pytest.mark.every_launcher),
     ("spawn", "rank 1 was killed by SIGKILL (the out-of-memory killer sends it); the others were stopped")])
 def test_a_rank_killed_outright_is_one_line_naming_it(data: Path, tmp_path: Path, launcher: str, said: str) -> None:
     """SIGKILL, as the out-of-memory killer sends it: no clean-up, no word from the dead rank. One line names

@@ -61,13 +61,15 @@ def port_is_free(port: int) -> bool:
 
 
 @pytest.mark.parametrize(("launcher", "stop"), [
-    *((launcher, "ctrl-c") for launcher in ("single", "torchrun", "spawn")),
+    ("single", "ctrl-c"), ("spawn", "ctrl-c"),
+    pytest.param("torchrun", "ctrl-c", marks=pytest.mark.every_launcher),
     # The agent passes SIGTERM to the workers' whole process groups, their loader workers too; every rank
     # stops at one step and saves it (test_preemption.py resumes from such checkpoints on every launcher).
-    ("torchrun", "sigterm"),
+    pytest.param("torchrun", "sigterm", marks=pytest.mark.every_launcher),
     # torchrun's agent killed outright (or by SIGUSR1, which it does not handle) cannot stop its workers: they
     # must notice by themselves, and not ask the store that went with it.
-    ("torchrun", "sigkill"), ("torchrun", "sigusr1")])
+    pytest.param("torchrun", "sigkill", marks=pytest.mark.every_launcher),
+    pytest.param("torchrun", "sigusr1", marks=pytest.mark.every_launcher)])
 def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: str) -> None:
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
     out, port = tmp_path / "run", free_port()
@@ -105,6 +107,8 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
                 os.kill(pid, signal.SIGKILL)
     output = (tmp_path / "log").read_text()
     assert run.returncode != 0, output[-3000:]
+    if stop == "ctrl-c" and launcher != "torchrun":  # torchrun's agent exits with a code of its own
+        assert run.returncode == 130, output[-3000:]
     # A stop is one line, not every process's traceback. (torchrun prints a traceback of its own agent.)
     our_frames = [line for line in output.splitlines()
                   if line.startswith('  File "') and str(REPO) in line and "site-packages" not in line]
@@ -168,8 +172,7 @@ def logged(path: Path) -> str:
 MOMENTS = {
     "processes starting": lambda job, out, log: bool(spawned_by(job.pid)),
     "processes joining": lambda job, out, log: "distributed init" in logged(log),
-    "first epoch": lambda job, out, log: "[epoch 0] train" in logged(log),
-}  # later in training: test_stopping_a_run_ends_every_process
+}  # in training: test_stopping_a_run_ends_every_process
 
 
 @pytest.mark.parametrize("moment", MOMENTS)
