@@ -188,13 +188,14 @@ def collate_fn(batch: Sequence[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor,
 
 
 class Paths(Sequence[str]):
-    """File paths held as one numpy array of their UTF-8 bytes, relative to `root` (see the module's docstring)."""
+    """File paths held as one numpy array of their bytes (os.fsencode: names that are not UTF-8 too), relative to
+    `root` (see the module's docstring)."""
 
     def __init__(self, paths: Sequence[str] | np.ndarray = (), root: str = "") -> None:
         if isinstance(paths, Paths):
             paths, root = paths.array, paths.root
         self.root = root
-        self.array = paths if isinstance(paths, np.ndarray) else np.array([*map(str.encode, paths)], dtype=bytes)
+        self.array = paths if isinstance(paths, np.ndarray) else np.array([*map(os.fsencode, paths)], dtype=bytes)
 
     def __len__(self) -> int:
         return len(self.array)
@@ -202,7 +203,7 @@ class Paths(Sequence[str]):
     def __getitem__(self, index: Any) -> Any:
         """A path (str) for a number; a Paths for a slice, a mask or an array of indices."""
         if isinstance(index, (int, np.integer)):
-            return os.path.join(self.root, self.array[index].decode())
+            return os.path.join(self.root, os.fsdecode(self.array[index]))
         return Paths(self.array[index], self.root)
 
     def __add__(self, other: Sequence[str]) -> Paths:
@@ -215,7 +216,7 @@ class Paths(Sequence[str]):
 
     def relative(self) -> list[str]:
         """The paths relative to `root` (as a run's split.json keeps them)."""
-        return [*map(bytes.decode, self.array.tolist())]
+        return [*map(os.fsdecode, self.array.tolist())]
 
     def __repr__(self) -> str:
         return f"Paths({len(self)} under {self.root or '.'})"

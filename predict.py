@@ -145,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not paths:
         raise UserInputError(f"no image in {', '.join(args.images)} (nor in its sub-folders: "
                              f"{', '.join(IMAGE_EXTENSIONS)})")
+    if hasattr(sys.stdout, "reconfigure"):  # a name that is not UTF-8 is written as the bytes it is, as ls writes it
+        sys.stdout.reconfigure(errors="surrogateescape")
     classified = 0
     for path, probabilities in predict(model, paths, run.image_size, device, args.batch_size):
         print(describe(path, probabilities, run.class_names, args.top_k, args.json), flush=True)

@@ -282,7 +282,7 @@ def check_image_files(paths: Paths, ctx: DistContext, seed: int = 0) -> None:
     for index in chosen[ctx.rank::ctx.world_size].tolist():  # each process its share
         problem = header_problem(paths[index])
         if problem:
-            bad.append(f"{paths.array[index].decode()} ({problem})")  # relative to the data's folder: short
+            bad.append(f"{os.fsdecode(paths.array[index])} ({problem})")  # relative to the data's folder: short
     if is_dist_avail_and_initialized():  # so that every process stops alike
         shares = [None] * ctx.world_size
         dist.all_gather_object(shares, bad)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import random
 import re
@@ -260,6 +262,22 @@ def test_paths_are_one_array_that_a_loader_worker_shares(tmp_path: Path) -> None
         "/data/a/1.jpg", "/data/b/ü.jpg"]
     assert (paths + paths)[3] == "/data/b/ü.jpg" and paths.relative() == ["a/1.jpg", "b/ü.jpg"]
     assert pickle.loads(pickle.dumps(paths)) == paths
+
+
+def test_file_and_folder_names_that_are_not_utf8_are_read_and_kept(tmp_path: Path) -> None:
+    """Names from an old archive or a Windows share, in Latin-1: Python gives them as str with surrogates."""
+    root = os.fsencode(tmp_path)
+    for name in (b"caf\xe9", b"tea"):
+        for i in range(3):
+            write_image(Path(os.fsdecode(root + b"/" + name + b"/%d\xff.jpg" % i)), (30 * i, 90, 200))
+    split = read_split_data(tmp_path)
+    assert split.class_names == [os.fsdecode(b"caf\xe9"), "tea"]
+    every = split.train_images_path + split.val_images_path
+    assert sorted(map(os.fsencode, every.relative())) == sorted(b"%s/%d\xff.jpg" % (name, i) for name in
+                                                                 (b"caf\xe9", b"tea") for i in range(3))
+    dataset = MyDataSet(every, split.train_images_label + split.val_images_label)
+    assert [dataset[i][0].shape for i in range(len(dataset))] == [(3, 24, 24)] * 6
+    assert json.loads(json.dumps(split.files_record())) == split.files_record()  # split.json keeps them
 
 
 def test_a_folder_named_like_an_image_is_read_as_a_folder_of_images(tmp_path: Path) -> None:

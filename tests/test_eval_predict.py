@@ -3,8 +3,12 @@ or several; predict.py agrees with it on the same files; the averaged weights ar
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,3 +140,16 @@ def test_predict_finds_the_run_of_its_weights_and_errs_in_one_line(trained: tupl
                         [["--top-k", "0", image], "argument --top-k: must be at least 1"]):
         with pytest.raises(UserInputError, match=f"^{re.escape(start)}"):
             predict.main(argv)
+
+
+def test_predict_writes_a_name_that_is_not_utf8_as_its_bytes(trained: tuple[Path, Path], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where stdout refuses what is not UTF-8 (a UTF-8 locale), such a name would stop predict.py at its line."""
+    data, out = trained
+    latin1 = Path(os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9.jpg"))
+    shutil.copy(next((data / "red").iterdir()), latin1)
+    written = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(written, encoding="utf-8", errors="strict"))
+    assert predict.main(["--run", str(out), str(latin1)]) == 0
+    sys.stdout.flush()
+    assert written.getvalue().startswith(os.fsencode(latin1) + b"  ")
