@@ -55,6 +55,9 @@ JPEG_REDUCTIONS = (8, 4, 2)  # what libjpeg decodes at directly: 1/8, 1/4 or 1/2
 REDUCTION_MARGIN = 1.5
 EXIF_ORIENTATION, SIDEWAYS = 0x0112, (5, 6, 7, 8)  # the orientations that turn the picture by 90 degrees
 
+# Pillow warns of more than MAX_IMAGE_PIXELS and refuses twice as many, against files made to fill the memory;
+# its default, 89 million, is less than the 108 and 200 megapixels that phones take photos at.
+Image.MAX_IMAGE_PIXELS = 250_000_000
 # torchvision 0.29 warns on every decode that its decoders move to TorchCodec; they are still the fastest
 # JPEG decoder a plain torch install has, and the warning would flood the output of every run.
 warnings.filterwarnings("ignore", message=r".*decoding and encoding capabilities of TorchVision",
@@ -66,7 +69,7 @@ def file_problem(path: str, err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno is not None:
         return os.strerror(err.errno).lower()
     if isinstance(err, Image.DecompressionBombError):
-        return "more pixels than Pillow accepts (a decompression bomb?)"
+        return f"more than {2 * Image.MAX_IMAGE_PIXELS // 10**6} million pixels (a decompression bomb?)"
     try:
         if os.stat(path).st_size == 0:
             return "empty"

@@ -7,6 +7,9 @@ import os
 import pickle
 import random
 import re
+import struct
+import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -278,6 +281,28 @@ def test_file_and_folder_names_that_are_not_utf8_are_read_and_kept(tmp_path: Pat
     dataset = MyDataSet(every, split.train_images_label + split.val_images_label)
     assert [dataset[i][0].shape for i in range(len(dataset))] == [(3, 24, 24)] * 6
     assert json.loads(json.dumps(split.files_record())) == split.files_record()  # split.json keeps them
+
+
+def png_header(width: int, height: int) -> bytes:
+    """The start of a PNG of that size: what Pillow reads to open it (its pixels are never reached)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(
+        b"IDAT", zlib.compress(b"\0" * 64))
+
+
+def test_a_200_megapixel_photo_is_an_image_and_a_gigapixel_one_is_named(tmp_path: Path) -> None:
+    """Phones take 108 and 200 megapixel photos: Pillow's default limit warned of the one and refused the other."""
+    from my_dataset import header_problem
+
+    phone, huge = tmp_path / "phone.png", tmp_path / "huge.png"
+    phone.write_bytes(png_header(16320, 12240))
+    huge.write_bytes(png_header(40000, 30000))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a DecompressionBombWarning too
+        assert header_problem(str(phone)) is None
+    assert header_problem(str(huge)) == "more than 500 million pixels (a decompression bomb?)"
 
 
 def test_a_folder_named_like_an_image_is_read_as_a_folder_of_images(tmp_path: Path) -> None:
