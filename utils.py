@@ -50,8 +50,8 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.errors import MAX_LINE, UserInputError, path_kind, shortened, system_reason
 from my_dataset import Paths, header_problem
 
-# Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+# Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF, Windows' browsers .jfif.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
 VAL_RATE = 0.2
 HEADER_CHECK_LIMIT = 20_000  # files whose headers are read before training; past it, a sample of this many
 
@@ -136,7 +136,10 @@ def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
             labels += [len(names)] * len(images)
             names.append(folder.name)
     if not names:
-        raise UserInputError(f"--data-path {root}: no class sub-folders (expected {root}/<class>/<image>)")
+        loose = sum(entry.name.lower().endswith(IMAGE_EXTENSIONS) for entry in os.scandir(root))
+        hint = (f"; it holds {loose} image(s) itself: they need a folder per class (ImageNet's val/ comes without "
+                "them)") if loose else ""
+        raise UserInputError(f"--data-path {root}: no class sub-folders (expected {root}/<class>/<image>){hint}")
     return Samples(Paths(paths, str(relative_to or root)), labels, names)
 
 
@@ -260,6 +263,9 @@ def read_data(data_path: str | None, ctx: DistContext, seed: int = 0, num_classe
     """--data-path (or the demo data) split, or a resumed run's `saved_split`, checked before any training."""
     path = Path(data_path) if data_path else demo_data_folder(ctx)
     found = read_on_main(lambda: split_for_the_run(path, seed, saved_split))
+    if found.num_classes < 2:  # --data-path at one class's folder, say: the loss would be 0 from the first step
+        raise UserInputError(f"--data-path {path}: one class only ({found.class_names[0]}); a classifier learns to "
+                             "tell 2 or more apart: give the folder that holds a folder per class")
     if num_classes not in (None, found.num_classes):
         raise UserInputError(f"--num_classes {num_classes}: the data in {path} has {found.num_classes} classes "
                              f"({shortened(', '.join(found.class_names), 100)})")

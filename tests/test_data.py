@@ -49,7 +49,8 @@ def test_every_class_gives_validation_at_least_one_image(tmp_path: Path) -> None
 
 def test_messy_folder_reads_every_image_and_nothing_else(tmp_path: Path) -> None:
     root = tmp_path / "messy"
-    names = ["a.jpg", "b.JPG", "c.jpeg", "d.JPEG", "e.png", "f.PNG", "g.bmp", "h.webp", "i.tif", "j.gif"]
+    names = ["a.jpg", "b.JPG", "c.jpeg", "d.JPEG", "e.png", "f.PNG", "g.bmp", "h.webp", "i.tif", "j.gif", "l.jfif",
+             "m.JPE"]
     for name in names:
         write_image(root / "cats" / name, (200, 100, 50))
     write_image(root / "cats" / "nested" / "k.jpg", (200, 100, 50))
@@ -120,7 +121,7 @@ def test_truncated_jpeg_is_named_in_the_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("layout", "message"), [
     ("missing", "no such folder"),
     ("file", "not a folder"),
-    ("no_classes", "no class sub-folders"),
+    ("no_classes", r"no class sub-folders \(expected .*/data/<class>/<image>\); it holds 1 image\(s\) itself"),
     ("empty_class", "holds no images"),
     ("one_image", "at least 2 images"),
 ])
@@ -310,3 +311,12 @@ def test_a_folder_named_like_an_image_is_read_as_a_folder_of_images(tmp_path: Pa
     for name in ("2019.jpg/a.jpg", "b.png"):
         Image.new("RGB", (8, 8)).save(tmp_path / name)
     assert utils.list_images(tmp_path) == ["2019.jpg/a.jpg", "b.png"]
+
+
+def test_one_class_is_refused_before_training(tmp_path: Path) -> None:
+    """--data-path at one class's folder of sub-folders: every loss would be 0, and every accuracy 100 %."""
+    from multi_train_utils.distributed_utils import single_process
+
+    root = make_image_folder(tmp_path / "daisy", {"2019": 6})
+    with pytest.raises(UserInputError, match=r"one class only \(2019\); a classifier learns to tell 2 or more apart"):
+        utils.read_data(str(root), single_process("cpu"))
