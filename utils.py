@@ -118,9 +118,21 @@ def list_images(folder: str | os.PathLike, prefix: str = "") -> list[str]:
                 is_folder = False
             if is_folder:
                 found += list_images(entry, f"{prefix}{entry.name}/")
-            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and is_a_file_or_a_broken_link(entry):
                 found.append(prefix + entry.name)
     return sorted(found)
+
+
+def is_a_file_or_a_broken_link(entry: os.DirEntry) -> bool:
+    """Not a pipe, a socket or a device (also through a link), whose reading would wait for ever; a link to nothing
+    is listed, for the header check to name it."""
+    try:
+        if entry.is_file():  # known from the listing for all but links
+            return True
+        entry.stat()  # followed to its end, the link leads to something that is no file
+        return False
+    except OSError:  # a link to nothing, or one that loops
+        return True
 
 
 def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:

@@ -62,6 +62,8 @@ def test_messy_folder_reads_every_image_and_nothing_else(tmp_path: Path) -> None
     (root / "LICENSE.txt").write_text("CC-BY")
     write_image(root / "top_level.jpg", (0, 0, 0))
     (root / ".ipynb_checkpoints").mkdir()
+    os.mkfifo(root / "dogs" / "pipe.jpg")  # opened, it would wait for a writer for ever
+    (root / "dogs" / "pipe_link.jpg").symlink_to(root / "dogs" / "pipe.jpg")
     split = read_split_data(root)
     assert split.class_names == ["cats", "dogs"]
     everything = sorted(Path(p).name for p in split.train_images_path + split.val_images_path)
