@@ -65,14 +65,15 @@ def path_text(text: str) -> str:
     return text
 
 
-def positive_float(text: str, at_most: float = math.inf) -> float:
-    """A finite number above 0 (and at most `at_most`): "inf" and "nan" parse as floats, but train nothing."""
+def positive_float(text: str, at_most: float = math.inf, zero: bool = False) -> float:
+    """A finite number above 0 (or 0 itself, with `zero`) and at most `at_most`: "inf" and "nan" parse as floats,
+    but train nothing."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'of 0 or more' if zero else 'above 0'}, got {text}")
     if value > at_most:
         raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
     return value
@@ -80,7 +81,7 @@ def positive_float(text: str, at_most: float = math.inf) -> float:
 
 def non_negative_float(text: str, at_most: float = math.inf) -> float:
     """A finite number from 0 up to `at_most`."""
-    return 0.0 if text.strip() in ("0", "0.0") else positive_float(text, at_most)
+    return positive_float(text, at_most, zero=True)
 
 
 def fraction(text: str) -> float:

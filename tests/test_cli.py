@@ -44,6 +44,12 @@ def test_boolean_flag_alone_means_true_and_absent_means_false() -> None:
     assert parse_args("single", ["--freeze-layers"]).freeze_layers is True
 
 
+@pytest.mark.parametrize("zero", ["0", "0.0", "0.00", "0e0", "-0"])
+def test_zero_is_zero_however_it_is_written(zero: str) -> None:
+    args = parse_args("single", ["--weight-decay", zero, "--mixup-alpha", zero])
+    assert (args.weight_decay, args.mixup_alpha) == (0.0, 0.0)
+
+
 @pytest.mark.parametrize("argv", [["--batch-size", "0"], ["--epochs", "0"], ["--workers", "-1"],
                                   ["--image-size", "8"], ["--world-size", "0"], ["--lr", "-1"],
                                   ["--freeze-layers", "maybe"], ["--batch-size", "two"],
