@@ -28,11 +28,12 @@ import torch
 from matplotlib import pyplot as plt  # after use(): the backend is chosen first
 from matplotlib.figure import Figure
 
+from multi_train_utils.cli import OneLineErrorParser
 from multi_train_utils.confusion import confusion_image
-from multi_train_utils.errors import system_reason
+from multi_train_utils.errors import UserInputError, report, system_reason
 
 
-class RunFolderError(ValueError):
+class RunFolderError(UserInputError):
     """A run folder without readable metrics, or an --out-dir that cannot be written: reported as one line."""
 
 
@@ -126,7 +127,7 @@ def save(fig: Figure, path: Path) -> Path:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="--output-dir folders of finished (or running) training runs")
     parser.add_argument("--labels", nargs="+", default=None,
                         help="one legend label per run (default: folder name and process count)")
@@ -160,5 +161,6 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
 if __name__ == "__main__":
     try:
         main()
-    except RunFolderError as err:
-        sys.exit(f"error: {err}")
+    except UserInputError as err:  # a flag, a run folder, the --out-dir
+        report(f"error: {err}")
+        sys.exit(2)

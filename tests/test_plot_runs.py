@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 import plot_runs
+from multi_train_utils.errors import UserInputError
 
 
 def write_run(folder: Path, world_size: int, accuracies: list[float], torn_last_line: bool = False) -> Path:
@@ -54,8 +55,14 @@ def test_each_run_is_one_curve_with_its_process_count(two_runs: list[str]) -> No
 def test_labels_name_the_runs(two_runs: list[str]) -> None:
     args = plot_runs.parse_args([*two_runs, "--labels", "one", "two"])
     assert plot_runs.read_run(args.runs[1], args.labels[1]).label == "two"
-    with pytest.raises(SystemExit):
+    with pytest.raises(UserInputError, match=r"^--labels: 1 label\(s\) for 2 run\(s\)"):
         plot_runs.parse_args([*two_runs, "--labels", "only one"])
+
+
+def test_an_unknown_flag_is_one_line(two_runs: list[str]) -> None:
+    """argparse's own way is its usage first, then the error: lines of which the last says what is wrong."""
+    with pytest.raises(UserInputError, match=r"^unrecognized arguments: --output /tmp/x \(see .* --help\)$"):
+        plot_runs.parse_args([*two_runs, "--output", "/tmp/x"])
 
 
 def test_a_folder_without_metrics_is_named(tmp_path: Path) -> None:
