@@ -105,9 +105,11 @@ def data_source(suffix: str) -> Callable[[DataSource], DataSource]:
     return register
 
 
-def list_images(folder: str | os.PathLike, prefix: str = "") -> list[str]:
-    """Every image below `folder`, sub-folders included, sorted, as paths relative to it after `prefix`."""
-    found = []
+def list_images(folder: str | os.PathLike, prefix: str = "", above: frozenset[tuple[int, int]] = frozenset()
+                ) -> list[str]:
+    """Every image below `folder`, sub-folders included, sorted, as paths relative to it after `prefix`; a link
+    back to a folder it is in (one of `above`) is passed over, or every image there would be listed again and again."""
+    above, found = above | {folder_identity(folder)}, []
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.name.startswith("."):  # hidden: .git, the "._photo.jpg" copies macOS leaves behind
@@ -116,11 +118,17 @@ def list_images(folder: str | os.PathLike, prefix: str = "") -> list[str]:
                 is_folder = entry.is_dir()  # a link to one too; known from the listing, without a call per file
             except OSError:  # a link the system cannot follow: listed if named as an image, its header check says why
                 is_folder = False
-            if is_folder:
-                found += list_images(entry, f"{prefix}{entry.name}/")
+            if is_folder and folder_identity(entry) not in above:
+                found += list_images(entry, f"{prefix}{entry.name}/", above)
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and is_a_file_or_a_broken_link(entry):
                 found.append(prefix + entry.name)
     return sorted(found)
+
+
+def folder_identity(folder: str | os.PathLike) -> tuple[int, int]:
+    """A folder's device and inode: the same through every link to it."""
+    info = os.stat(folder)
+    return info.st_dev, info.st_ino
 
 
 def is_a_file_or_a_broken_link(entry: os.DirEntry) -> bool:
@@ -141,7 +149,7 @@ def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
     paths, labels, names = [], [], []
     for folder in sorted(root.iterdir()):
         if folder.is_dir() and not folder.name.startswith("."):  # not the files beside them, nor .ipynb_checkpoints
-            images = list_images(folder, f"{prefix}{folder.name}/")
+            images = list_images(folder, f"{prefix}{folder.name}/", frozenset({folder_identity(root)}))
             if not images:
                 raise UserInputError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
             paths += images

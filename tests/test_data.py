@@ -308,6 +308,19 @@ def test_a_200_megapixel_photo_is_an_image_and_a_gigapixel_one_is_named(tmp_path
     assert header_problem(str(huge)) == "more than 500 million pixels (a decompression bomb?)"
 
 
+def test_a_link_back_to_a_folder_above_lists_no_image_twice(tmp_path: Path) -> None:
+    """Followed, `cats/up -> ..` would list every image again at each level, in training and in validation."""
+    root = make_image_folder(tmp_path / "data", {"cats": 4, "dogs": 4})
+    (root / "cats" / "up").symlink_to("..")
+    (root / "dogs" / "again").symlink_to(".")
+    (root / "dogs" / "cats").symlink_to(root / "cats")  # a link to another folder: its images, once
+    split = read_split_data(root)
+    every = sorted(split.train_images_path.relative() + split.val_images_path.relative())
+    assert len(every) == 12 and len(set(map(os.path.realpath, split.train_images_path + split.val_images_path))) == 8
+    cats = sorted(f"dogs/cats/{image.name}" for image in (root / "cats").iterdir() if image.name != "up")
+    assert [name for name in every if name.startswith("dogs/cats/")] == cats
+
+
 def test_a_folder_named_like_an_image_is_read_as_a_folder_of_images(tmp_path: Path) -> None:
     (tmp_path / "2019.jpg").mkdir()  # an album folder, say
     for name in ("2019.jpg/a.jpg", "b.png"):
