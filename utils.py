@@ -52,6 +52,9 @@ from my_dataset import Paths, header_problem
 
 # Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF, Windows' browsers .jfif.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+# Folders that systems, not people, put among photos: a zip made on a Mac, a Synology NAS's thumbnails (JPEGs
+# themselves), a disk's own, Windows' on a USB stick. Like hidden ones (.git, .ipynb_checkpoints), never read.
+SYSTEM_FOLDERS = frozenset({"__MACOSX", "@eaDir", "lost+found", "$RECYCLE.BIN", "System Volume Information"})
 VAL_RATE = 0.2
 HEADER_CHECK_LIMIT = 20_000  # files whose headers are read before training; past it, a sample of this many
 
@@ -112,7 +115,7 @@ def list_images(folder: str | os.PathLike, prefix: str = "", above: frozenset[tu
     above, found = above | {folder_identity(folder)}, []
     with os.scandir(folder) as entries:
         for entry in entries:
-            if entry.name.startswith("."):  # hidden: .git, the "._photo.jpg" copies macOS leaves behind
+            if not is_read(entry.name):  # also the "._photo.jpg" copies macOS leaves behind
                 continue
             try:
                 is_folder = entry.is_dir()  # a link to one too; known from the listing, without a call per file
@@ -123,6 +126,11 @@ def list_images(folder: str | os.PathLike, prefix: str = "", above: frozenset[tu
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and is_a_file_or_a_broken_link(entry):
                 found.append(prefix + entry.name)
     return sorted(found)
+
+
+def is_read(name: str) -> bool:
+    """Whether a file or folder of this name is looked at: not a hidden one, nor one of SYSTEM_FOLDERS."""
+    return not name.startswith(".") and name not in SYSTEM_FOLDERS
 
 
 def folder_identity(folder: str | os.PathLike) -> tuple[int, int]:
@@ -148,7 +156,7 @@ def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
     prefix = "" if relative_to is None else f"{root.relative_to(relative_to)}/"
     paths, labels, names = [], [], []
     for folder in sorted(root.iterdir()):
-        if folder.is_dir() and not folder.name.startswith("."):  # not the files beside them, nor .ipynb_checkpoints
+        if folder.is_dir() and is_read(folder.name):  # not the files beside them
             images = list_images(folder, f"{prefix}{folder.name}/", frozenset({folder_identity(root)}))
             if not images:
                 raise UserInputError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
@@ -209,7 +217,7 @@ def split_samples(samples: Samples, val_rate: float = VAL_RATE, seed: int = 0) -
 
 def read_split_folders(root: Path) -> SplitData:
     """train/ and val/ as the split (a test/ beside them is left alone); half such a layout is refused."""
-    folders = sorted(folder.name for folder in root.iterdir() if folder.is_dir() and not folder.name.startswith("."))
+    folders = sorted(folder.name for folder in root.iterdir() if folder.is_dir() and is_read(folder.name))
     if folders not in (["train", "val"], ["test", "train", "val"]):  # or it would be read as classes train, val
         raise UserInputError(f"--data-path {root}: holds {', '.join(folders[:6])}: either train/ and val/ "
                              "folders of class sub-folders (the split is theirs) or class folders only (split at "

@@ -62,6 +62,10 @@ def test_messy_folder_reads_every_image_and_nothing_else(tmp_path: Path) -> None
     (root / "LICENSE.txt").write_text("CC-BY")
     write_image(root / "top_level.jpg", (0, 0, 0))
     (root / ".ipynb_checkpoints").mkdir()
+    for system in ("__MACOSX/cats", "lost+found", "$RECYCLE.BIN", "System Volume Information"):
+        (root / system).mkdir(parents=True)
+    (root / "__MACOSX" / "cats" / "._a.jpg").write_bytes(b"macOS metadata")
+    write_image(root / "cats" / "@eaDir" / "a.jpg" / "SYNOPHOTO_THUMB_S.jpg", (200, 100, 50))  # a NAS's thumbnail
     os.mkfifo(root / "dogs" / "pipe.jpg")  # opened, it would wait for a writer for ever
     (root / "dogs" / "pipe_link.jpg").symlink_to(root / "dogs" / "pipe.jpg")
     split = read_split_data(root)
@@ -209,6 +213,7 @@ def test_train_and_val_folders_are_the_split_and_nothing_of_val_is_trained_on(tm
     make_image_folder(root / "train", {"n01": 8, "n02": 6})
     make_image_folder(root / "val", {"n01": 2, "n02": 3})
     (root / "test").mkdir()  # left alone, as torchvision's references leave it
+    (root / "lost+found").mkdir()  # the data on a disk of its own
     split = read_split_data(root)
     assert split.layout == "folders" and split.class_names == ["n01", "n02"]
     assert sorted(Path(p).relative_to(root).parts[0] for p in split.val_images_path) == ["val"] * 5
