@@ -334,6 +334,9 @@ def check_before_start(args: argparse.Namespace) -> None:
     """That the files named are files (the model and the data are checked where they are read)."""
     if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
         raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
+    if args.data_path and Path(args.output_dir).resolve().is_relative_to(Path(args.data_path).resolve()):
+        raise UserInputError(f"--output-dir {args.output_dir}: inside --data-path {args.data_path}, where the next "
+                             "run would read it as a class of images; choose a folder outside the data")
     if args.eval_only and path_kind(Path(args.weights), "--weights") != "file":
         raise UserInputError(f"--eval-only: no weights file {args.weights}; name the weights to validate "
                              "with --weights, or the run's folder with --output-dir")

@@ -142,6 +142,10 @@ def test_help_names_each_default_once(launcher: str) -> None:
     (["--resume", "/dev/null"], "error: --resume /dev/null: not a regular file"),
     (["--resume", "/tmp"], "error: --resume /tmp: is a folder"),
     (["--output-dir", __file__], f"error: --output-dir {__file__}: is a file"),
+    # the next run would find a class folder of weights and logs: "class folder .../run holds no images"
+    (["--data-path", "/tmp", "--output-dir", "/tmp/photos/../run"],
+     "error: --output-dir /tmp/photos/../run: inside --data-path /tmp, where the next run would read it as a class"),
+    (["--data-path", "/tmp/run", "--output-dir", "/tmp/run"], "error: --output-dir /tmp/run: inside --data-path"),
     (["--freeze-layers", "false", "--unfreeze-epoch", "2"], "error: --unfreeze-epoch 2: there is nothing to unfreeze"),
 ])
 def test_files_named_by_flags_are_checked_before_any_work(flags: list[str], start: str,
