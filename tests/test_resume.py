@@ -304,8 +304,8 @@ def test_a_run_on_train_and_val_folders_resumes_on_its_split_from_one_listing(
     train(data, out, "--epochs", "1")
     started = json.loads((out / "split.json").read_text())
     listed, list_images = [], utils.list_images
-    monkeypatch.setattr(utils, "list_images", lambda folder, prefix="": listed.append(str(folder))
-                        or list_images(folder, prefix))
+    monkeypatch.setattr(utils, "list_images", lambda folder, *rest: listed.append(str(folder))
+                        or list_images(folder, *rest))
     train(data, out, "--epochs", "2", "--resume", "auto")
     assert sorted(listed) == [str(data / side / name) for side in ("train", "val") for name in ("n01", "n02")]
     assert json.loads((out / "split.json").read_text()) == started
