@@ -164,7 +164,8 @@ def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
             labels += [len(names)] * len(images)
             names.append(folder.name)
     if not names:
-        loose = sum(entry.name.lower().endswith(IMAGE_EXTENSIONS) for entry in os.scandir(root))
+        with os.scandir(root) as entries:
+            loose = sum(entry.name.lower().endswith(IMAGE_EXTENSIONS) for entry in entries)
         hint = (f"; it holds {loose} image(s) itself: they need a folder per class (ImageNet's val/ comes without "
                 "them)") if loose else ""
         raise UserInputError(f"--data-path {root}: no class sub-folders (expected {root}/<class>/<image>){hint}")
