@@ -63,9 +63,9 @@ def meeting_on_a_free_port() -> Iterator[None]:
     """Where the processes meet (init_distributed_mode's env://), for the length of the block: a free port of
     127.0.0.1, so that two jobs on one machine do not collide, unless MASTER_ADDR and MASTER_PORT are set (yours
     win). The next job this process starts picks a port of its own."""
-    chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": "127.0.0.1"}
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": host}
     if "MASTER_PORT" not in os.environ:  # (MASTER_PORT_CHOSEN_BY: for the message if it is taken meanwhile)
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         try:
             port = find_free_port(host)
         except OSError as err:  # not an address of this machine, where every spawned process runs
