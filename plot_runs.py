@@ -30,7 +30,7 @@ from matplotlib.figure import Figure
 
 from multi_train_utils.cli import OneLineErrorParser
 from multi_train_utils.confusion import confusion_image
-from multi_train_utils.errors import UserInputError, report, system_reason
+from multi_train_utils.errors import UserInputError, one_line, report, system_reason
 
 
 class RunFolderError(UserInputError):
@@ -161,6 +161,6 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
 if __name__ == "__main__":
     try:
         main()
-    except UserInputError as err:  # a flag, a run folder, the --out-dir
-        report(f"error: {err}")
+    except UserInputError as stop:  # a flag, a run folder, the --out-dir
+        report(f"error: {one_line(stop)}")
         sys.exit(2)
