@@ -108,11 +108,13 @@ def data_source(suffix: str) -> Callable[[DataSource], DataSource]:
     return register
 
 
-def list_images(folder: str | os.PathLike, prefix: str = "", above: frozenset[tuple[int, int]] = frozenset()
+def list_images(folder: str | os.PathLike, prefix: str = "", inside: frozenset[tuple[int, int]] | None = None
                 ) -> list[str]:
-    """Every image below `folder`, sub-folders included, sorted, as paths relative to it after `prefix`; a link
-    back to a folder it is in (one of `above`) is passed over, or every image there would be listed again and again."""
-    above, found = above | {folder_identity(folder)}, []
+    """Every image below `folder`, sub-folders included, sorted, as paths relative to it after `prefix`. `inside`:
+    the folder_identity of each folder from the top of the listing down to `folder`; a link back to one of them is
+    passed over, or every image there would be listed again and again."""
+    inside = frozenset({folder_identity(folder)}) if inside is None else inside
+    found = []
     with os.scandir(folder) as entries:
         for entry in entries:
             if not is_read(entry.name):  # also the "._photo.jpg" copies macOS leaves behind
@@ -121,8 +123,10 @@ def list_images(folder: str | os.PathLike, prefix: str = "", above: frozenset[tu
                 is_folder = entry.is_dir()  # a link to one too; known from the listing, without a call per file
             except OSError:  # a link the system cannot follow: listed if named as an image, its header check says why
                 is_folder = False
-            if is_folder and folder_identity(entry) not in above:
-                found += list_images(entry, f"{prefix}{entry.name}/", above)
+            if is_folder:
+                identity = folder_identity(entry)
+                if identity not in inside:
+                    found += list_images(entry, f"{prefix}{entry.name}/", inside | {identity})
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS) and is_a_file_or_a_broken_link(entry):
                 found.append(prefix + entry.name)
     return sorted(found)
@@ -154,10 +158,10 @@ def is_a_file_or_a_broken_link(entry: os.DirEntry) -> bool:
 def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
     """A folder of one sub-folder of images per class, the classes named by them; paths relative to `relative_to`."""
     prefix = "" if relative_to is None else f"{root.relative_to(relative_to)}/"
-    paths, labels, names = [], [], []
+    paths, labels, names, top = [], [], [], folder_identity(root)
     for folder in sorted(root.iterdir()):
         if folder.is_dir() and is_read(folder.name):  # not the files beside them
-            images = list_images(folder, f"{prefix}{folder.name}/", frozenset({folder_identity(root)}))
+            images = list_images(folder, f"{prefix}{folder.name}/", frozenset({top, folder_identity(folder)}))
             if not images:
                 raise UserInputError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
             paths += images
