@@ -103,7 +103,11 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     if isinstance(err, Preempted):
         if rank == 0:  # before the others may exit: a launcher stops the whole job when the first one does
             report(err.line)
-        barrier()  # no process ends before rank 0 has written the checkpoint and said so
+        try:
+            barrier()  # no process ends before rank 0 has written the checkpoint and said so
+        except Exception:  # a partner ended first (the launcher's end reached it between two steps) and said why
+            cleanup(failed=True)
+            raise QuietExit(err.code) from None
         cleanup()
         raise QuietExit(err.code)
     signalled = isinstance(err, (KeyboardInterrupt, Terminated))

@@ -393,6 +393,21 @@ def test_once_the_launcher_is_gone_any_error_is_its_stop_and_rank_0_says_so(conn
     assert ended(RuntimeError("Connection closed by peer"), 1, capsys) == (143, "")
 
 
+def test_a_stop_at_a_step_ends_quietly_when_its_partner_has_already_ended(
+        connected: torch.distributed.Store, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun's agent killed between two steps: one rank stops at the step, and its partner, whose own stop
+    reached it outside the steps, has already said so and ended. The barrier that waits for rank 0's word
+    then fails ("connection closed by peer"); that is no traceback, and the exit code stays the stop's."""
+    def partner_gone() -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:65160")
+
+    monkeypatch.setattr(shutdown, "barrier", partner_gone)
+    assert ended(errors.Preempted("Stopped by SIGTERM after epoch 3; ..."), 1, capsys) == (143, "")
+    assert ended(errors.Preempted("Stopped by SIGTERM after epoch 3; ..."), 0, capsys) == (
+        143, "Stopped by SIGTERM after epoch 3; ...\n")
+
+
 def test_the_stop_line_names_the_checkpoint_only_when_there_is_one(tmp_path: Path) -> None:
     checkpoint = tmp_path / "checkpoint.pth"
     assert shutdown.stopped_line(errors.Terminated("SIGTERM"), checkpoint) == (
