@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from PIL import features
 
 from multi_train_utils.distributed_utils import (
     DistContext,
@@ -50,8 +52,10 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.errors import MAX_LINE, UserInputError, path_kind, shortened, system_reason
 from my_dataset import Paths, header_problem
 
-# Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF, Windows' browsers .jfif.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+# Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF, Windows' browsers .jfif; and
+# AVIF, what browsers and phones now save, where Pillow reads it (11.3 and later).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff") + (
+    (".avif",) if "avif" in features.modules and features.check_module("avif") else ())
 # Folders that systems, not people, put among photos: a zip made on a Mac, a Synology NAS's thumbnails (JPEGs
 # themselves), a disk's own, Windows' on a USB stick. Like hidden ones (.git, .ipynb_checkpoints), never read.
 SYSTEM_FOLDERS = frozenset({"__MACOSX", "@eaDir", "lost+found", "$RECYCLE.BIN", "System Volume Information"})
@@ -155,6 +159,18 @@ def is_a_file_or_a_broken_link(entry: os.DirEntry) -> bool:
         return True
 
 
+def what_it_holds(folder: Path) -> str:
+    """What a class folder without images holds instead: the kinds of file most of it is (an iPhone's HEIC photos,
+    say, which Pillow cannot read), for its error line."""
+    kinds = Counter(Path(name).suffix.lower() or name for _, _, names in os.walk(folder) for name in names
+                    if is_read(name))
+    if not kinds:
+        return "; it is empty"
+    held = ", ".join(f"{count} {kind} file(s)" for kind, count in kinds.most_common(3))
+    convert = "; convert HEIC photos to JPEG first" if kinds.keys() & {".heic", ".heif"} else ""
+    return f"; it holds {held}{'' if len(kinds) <= 3 else ', ...'}{convert}"
+
+
 def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
     """A folder of one sub-folder of images per class, the classes named by them; paths relative to `relative_to`."""
     prefix = "" if relative_to is None else f"{root.relative_to(relative_to)}/"
@@ -163,7 +179,8 @@ def read_image_folder(root: Path, relative_to: Path | None = None) -> Samples:
         if folder.is_dir() and is_read(folder.name):  # not the files beside them
             images = list_images(folder, f"{prefix}{folder.name}/", frozenset({top, folder_identity(folder)}))
             if not images:
-                raise UserInputError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+                raise UserInputError(f"class folder {folder} holds no images ({', '.join(IMAGE_EXTENSIONS)})"
+                                     f"{what_it_holds(folder)}")
             paths += images
             labels += [len(names)] * len(images)
             names.append(folder.name)

@@ -22,7 +22,7 @@ import utils
 from conftest import make_image_folder, write_image
 from multi_train_utils.errors import UserInputError
 from my_dataset import MyDataSet, UnreadableImageError, collate_fn, load_rgb
-from utils import plot_data_loader_image, read_split_data
+from utils import IMAGE_EXTENSIONS, plot_data_loader_image, read_split_data
 
 
 def test_split_is_deterministic_per_seed_and_leaves_global_random_alone(image_folder: Path) -> None:
@@ -128,7 +128,9 @@ def test_truncated_jpeg_is_named_in_the_error(tmp_path: Path) -> None:
     ("missing", "no such folder"),
     ("file", "not a folder"),
     ("no_classes", r"no class sub-folders \(expected .*/data/<class>/<image>\); it holds 1 image\(s\) itself"),
-    ("empty_class", "holds no images"),
+    ("empty_class", r"holds no images \(.*\); it holds 1 \.txt file\(s\)$"),
+    ("heic_class", r"holds no images \(.*\); it holds 2 \.heic file\(s\); convert HEIC photos to JPEG first$"),
+    ("no_files", "holds no images .*; it is empty$"),
     ("one_image", "at least 2 images"),
 ])
 def test_bad_layouts_raise_a_clear_error(tmp_path: Path, layout: str, message: str) -> None:
@@ -141,11 +143,32 @@ def test_bad_layouts_raise_a_clear_error(tmp_path: Path, layout: str, message: s
         make_image_folder(root, {"a": 3})
         (root / "b").mkdir()
         (root / "b" / "readme.txt").write_text("no images here")
+    elif layout == "heic_class":  # an iPhone's photos, which Pillow cannot read
+        make_image_folder(root, {"a": 3})
+        for name in ("IMG_0001.HEIC", "IMG_0002.heic"):
+            (root / "b" / name).parent.mkdir(exist_ok=True)
+            (root / "b" / name).write_bytes(b"\0\0\0\x18ftypheic")
+    elif layout == "no_files":
+        make_image_folder(root, {"a": 3})
+        (root / "b" / ".DS_Store").parent.mkdir()
+        (root / "b" / ".DS_Store").write_bytes(b"Bud1")
     elif layout == "one_image":
         make_image_folder(root, {"a": 3, "b": 1})
     with pytest.raises(UserInputError, match=message) as caught:
         read_split_data(root)
     assert str(root) in str(caught.value)
+
+
+@pytest.mark.skipif(".avif" not in IMAGE_EXTENSIONS, reason="this Pillow cannot read AVIF")
+def test_avif_photos_are_images(tmp_path: Path) -> None:
+    """What browsers and phones now save: where Pillow reads it, a class of them trains."""
+    make_image_folder(tmp_path / "data", {"a": 3})
+    for i in range(3):
+        write_image(tmp_path / "data" / "b" / f"{i}.AVIF", (10, 20, 200))
+    split = read_split_data(tmp_path / "data")
+    assert split.class_names == ["a", "b"] and sum(label == 1 for label in [*split.train_images_label,
+                                                                             *split.val_images_label]) == 3
+    assert load_rgb(str(tmp_path / "data" / "b" / "0.AVIF")).size == (24, 24)
 
 
 def test_collate_fn_stacks_and_pickles_by_name() -> None:
