@@ -25,6 +25,7 @@ from .distributed_utils import print_main
 
 EXIF_ORIENTATION = 0x0112
 PREVIEW_SIDE = 64  # pixels: the side of a whole picture shown by whole_images
+JPEG_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".jpe")  # the last two: what Windows' browsers save
 
 
 class EncodedBatch(NamedTuple):
@@ -90,7 +91,7 @@ def decoded_on_the_gpu(images: Any, device: torch.device) -> EncodedImages | Non
     if device.type != "cuda":
         print_main(f"--decode-on gpu: training on {device.type}, so the loader workers decode the images")
         return None
-    others = sum(not path.lower().endswith((".jpg", ".jpeg")) for path in images.images_path)
+    others = sum(not path.lower().endswith(JPEG_SUFFIXES) for path in images.images_path)
     if others:
         print_main(f"--decode-on gpu: {others} of {len(images)} training images are not JPEGs; the loader "
                    "workers decode those")
