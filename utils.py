@@ -162,8 +162,10 @@ def is_a_file_or_a_broken_link(entry: os.DirEntry) -> bool:
 def what_it_holds(folder: Path) -> str:
     """What a class folder without images holds instead: the kinds of file most of it is (an iPhone's HEIC photos,
     say, which Pillow cannot read), for its error line."""
-    kinds = Counter(Path(name).suffix.lower() or name for _, _, names in os.walk(folder) for name in names
-                    if is_read(name))
+    kinds: Counter[str] = Counter()
+    for _, folders, names in os.walk(folder):
+        folders[:] = filter(is_read, folders)  # what list_images passes over: a NAS's thumbnails are no photos of it
+        kinds.update(Path(name).suffix.lower() or name for name in names if is_read(name))
     if not kinds:
         return "; it is empty"
     held = ", ".join(f"{count} {kind} file(s)" for kind, count in kinds.most_common(3))

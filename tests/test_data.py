@@ -131,6 +131,7 @@ def test_truncated_jpeg_is_named_in_the_error(tmp_path: Path) -> None:
     ("empty_class", r"holds no images \(.*\); it holds 1 \.txt file\(s\)$"),
     ("heic_class", r"holds no images \(.*\); it holds 2 \.heic file\(s\); convert HEIC photos to JPEG first$"),
     ("no_files", "holds no images .*; it is empty$"),
+    ("nas_thumbnails_only", "holds no images .*; it is empty$"),
     ("one_image", "at least 2 images"),
 ])
 def test_bad_layouts_raise_a_clear_error(tmp_path: Path, layout: str, message: str) -> None:
@@ -145,13 +146,16 @@ def test_bad_layouts_raise_a_clear_error(tmp_path: Path, layout: str, message: s
         (root / "b" / "readme.txt").write_text("no images here")
     elif layout == "heic_class":  # an iPhone's photos, which Pillow cannot read
         make_image_folder(root, {"a": 3})
+        (root / "b").mkdir()
         for name in ("IMG_0001.HEIC", "IMG_0002.heic"):
-            (root / "b" / name).parent.mkdir(exist_ok=True)
             (root / "b" / name).write_bytes(b"\0\0\0\x18ftypheic")
     elif layout == "no_files":
         make_image_folder(root, {"a": 3})
         (root / "b" / ".DS_Store").parent.mkdir()
         (root / "b" / ".DS_Store").write_bytes(b"Bud1")
+    elif layout == "nas_thumbnails_only":  # JPEGs themselves, which the listing passes over
+        make_image_folder(root, {"a": 3})
+        write_image(root / "b" / "@eaDir" / "photo.jpg" / "SYNOPHOTO_THUMB_M.jpg", (1, 2, 3))
     elif layout == "one_image":
         make_image_folder(root, {"a": 3, "b": 1})
     with pytest.raises(UserInputError, match=message) as caught:
