@@ -49,6 +49,16 @@ def still_running(pids: set[int]) -> list[str]:
             for pid in pids if pid in table and table[pid][1] != "Z"]
 
 
+def stacks_of_a_hang(tree: set[int], log: Path) -> str:
+    """The log's end after every process of `tree` wrote its threads' Python stacks (faulthandler, on SIGABRT):
+    where a run that should have moved on waits."""
+    for pid in sorted(tree, reverse=True):  # one at a time, so that their pages do not interleave
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+        time.sleep(0.5)
+    return log.read_text()[-20000:]
+
+
 def port_is_free(port: int) -> bool:
     """Whether the next job can meet on `port`: a new store can listen there (connections of the old
     one may linger in TIME_WAIT, which the store, like every server, is allowed to listen over)."""
@@ -79,13 +89,14 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
                         str(REPO / "train_multi_gpu_using_launch.py")],
            "spawn": [python(), str(REPO / "train_multi_gpu_using_spawn.py"), "--world-size", "2"]}[launcher]
     with open(tmp_path / "log", "w") as log:
-        run = subprocess.Popen([*cmd, *flags], cwd=REPO, env=script_env(MASTER_PORT=str(port)), stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+        run = subprocess.Popen([*cmd, *flags], cwd=REPO, env=script_env(MASTER_PORT=str(port), PYTHONFAULTHANDLER="1"),
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180
         while not (out / "checkpoint.pth").exists():
             assert run.poll() is None, (tmp_path / "log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "no epoch finished in time"
+            if time.monotonic() > deadline:
+                pytest.fail("no epoch finished in time:\n" + stacks_of_a_hang(process_tree(run.pid), tmp_path / "log"))
             time.sleep(0.2)
         time.sleep(0.5)  # now in the middle of a later epoch
         tree = process_tree(run.pid)
