@@ -27,7 +27,7 @@ from .distributed_utils import (
     unwrap_model,
 )
 from .errors import UserInputError, report
-from .files import load_file, megabytes, tensor_bytes, to_cpu
+from .files import load_file, megabytes, to_cpu
 from .optim import align_schedule, scheduled_lr
 from .recorder import (
     CHECKPOINT_NAME,
@@ -217,7 +217,10 @@ def warn_if_the_disk_is_short(folder: Path, model: nn.Module, optimizer: torch.o
                               epochs_with_weights: int) -> None:
     """Say at the start, not epochs later, that the disk cannot hold what the run writes: the checkpoint (the
     weights and the optimizer's state of 0, 1 or 2 tensors per weight), best.pth and each model-N.pth."""
-    weights = tensor_bytes(unwrap_model(model).state_dict())
+    weights = 0
+    for value in unwrap_model(model).state_dict().values():
+        if isinstance(value, torch.Tensor):  # not a module's extra state, which may be anything
+            weights += value.numel() * value.element_size()
     state_per_weight = 2 if "betas" in optimizer.defaults else 1 if optimizer.defaults.get("momentum") else 0
     needed, free = weights * (2 + state_per_weight + epochs_with_weights), shutil.disk_usage(folder).free
     if free < needed:
