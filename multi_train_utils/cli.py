@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import math
 import os
+import socket
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -16,7 +17,7 @@ from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS, trained_flags
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
-from .errors import UserInputError, path_kind
+from .errors import UserInputError, path_kind, system_reason
 from .files import check_readable_file
 from .optim import OPTIMIZERS, SCHEDULES
 from .shutdown import ends_in_one_line
@@ -326,12 +327,12 @@ def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
     with ends_in_one_line(rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
         ending.output_dir = args.output_dir  # the stop line names the run's last checkpoint
-        check_before_start(args)
+        check_before_start(args, all_processes_here=launcher == "spawn")
         main(args)
 
 
-def check_before_start(args: argparse.Namespace) -> None:
-    """That the files named are files (the model and the data are checked where they are read)."""
+def check_before_start(args: argparse.Namespace, all_processes_here: bool = False) -> None:
+    """That the files named are files and --dist-url a place to meet (the model and data are checked where read)."""
     if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
         raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
     if args.data_path and Path(args.output_dir).resolve().is_relative_to(Path(args.data_path).resolve()):
@@ -344,6 +345,32 @@ def check_before_start(args: argparse.Namespace) -> None:
         check_readable_file(Path(args.resume), "--resume")
     if getattr(args, "dist_url", "").startswith("file://"):
         check_meeting_file(args.dist_url)
+    elif getattr(args, "dist_url", "").startswith("tcp://"):
+        check_meeting_address(args.dist_url, all_processes_here)
+
+
+def check_meeting_address(dist_url: str, all_processes_here: bool) -> None:
+    """--dist-url tcp://HOST:PORT names both. PyTorch meets a missing or misspelt one with a traceback, and port 0
+    with a wait for ever: rank 0 listens on a port of its own choosing, which no other rank knows. Where all the
+    processes run here, rank 0 among them, HOST is this machine's: elsewhere they would wait for a rank 0 that is
+    not there."""
+    url = urlparse(dist_url)
+    try:
+        port = url.port
+    except ValueError:  # not a number, or above 65535
+        port = None
+    if not url.hostname or not port:
+        raise UserInputError(f"--dist-url {dist_url}: expected tcp://HOST:PORT, rank 0's address and a free port "
+                             "from 1 to 65535 (such as tcp://10.0.0.1:29500)")
+    if all_processes_here:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(url.hostname, 0, type=socket.SOCK_STREAM)[0]
+            with socket.socket(family, socket.SOCK_STREAM) as listener:
+                listener.bind(address)
+        except OSError as err:
+            raise UserInputError(f"--dist-url {dist_url}: this machine cannot listen at {url.hostname} "
+                                 f"({system_reason(err)}); the spawned processes all run here: give an address of "
+                                 f"this machine, such as tcp://127.0.0.1:{port}") from None
 
 
 def check_meeting_file(dist_url: str) -> None:

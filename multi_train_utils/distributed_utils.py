@@ -369,6 +369,9 @@ def meeting_failure(err: RuntimeError, ctx: DistContext, timeout_s: float,
     """The one-line error for processes that could not meet (their port was taken, or some never came), or None."""
     if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
         return UserInputError(port_taken_line(os.environ.get("MASTER_PORT")))
+    if "ping failed" in str(err).lower():  # the store's first exchange had an answer no store gives
+        return GroupNotFormedError(f"rank {ctx.rank}: another program, not rank 0's store, answers at "
+                                   f"{meeting_place(dist_url)}; choose a port that nothing else listens on")
     missing = processes_missing_line(err, ctx, timeout_s, dist_url)
     return None if missing is None else GroupNotFormedError(missing)
 
@@ -385,8 +388,7 @@ def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: floa
                            dist_url: str = "env://") -> str | None:
     """For a group that never formed within --dist-timeout: on rank 0, how many of the processes came (the store
     counts them); on the others, that rank 0's address did not answer. None for other errors."""
-    message = str(err)
-    where = f"MASTER_ADDR:MASTER_PORT {meeting_point()}" if dist_url == "env://" else f"--dist-url {dist_url}"
+    message, where = str(err), meeting_place(dist_url)
     joined = re.search(r"(\d+)/(\d+) clients joined", message)
     if joined:
         return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
@@ -397,6 +399,11 @@ def processes_missing_line(err: BaseException, ctx: DistContext, timeout_s: floa
                 f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
                 "(not 127.0.0.1 from another machine)?")
     return None
+
+
+def meeting_place(dist_url: str) -> str:
+    """Where the processes meet, as the job was told: MASTER_ADDR:MASTER_PORT, or --dist-url."""
+    return f"MASTER_ADDR:MASTER_PORT {meeting_point()}" if dist_url == "env://" else f"--dist-url {dist_url}"
 
 
 def meeting_point() -> str:

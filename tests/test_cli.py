@@ -164,15 +164,29 @@ def test_files_named_by_flags_are_checked_before_any_work(flags: list[str], star
     ("file:///no/such/folder/meet",
      "error: --dist-url file:///no/such/folder/meet: there is no folder /no/such/folder"),
     ("file:///tmp", "error: --dist-url file:///tmp: names no file"),
+    # PyTorch: a traceback for each of these; and for port 0, a wait for ever (no other rank knows rank 0's port)
+    *((url, f"error: --dist-url {url}: expected tcp://HOST:PORT, rank 0's address and a free port")
+      for url in ("tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:abc",
+                  "tcp://:29500", "tcp://")),
+    # 192.0.2.1 is kept for documentation (RFC 5737): no machine has it, so rank 0 cannot listen there
+    ("tcp://192.0.2.1:29500", "error: --dist-url tcp://192.0.2.1:29500: this machine cannot listen at 192.0.2.1 ("),
 ])
-def test_a_meeting_file_that_cannot_be_made_is_one_line_before_any_process_starts(
+def test_a_meeting_point_that_cannot_be_met_is_one_line_before_any_process_starts(
         url: str, start: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """PyTorch's file store waits for ever on a file it cannot create, whatever --dist-timeout says."""
+    """PyTorch's file store waits for ever on a file it cannot create, whatever --dist-timeout says; a tcp:// URL
+    without a host or a usable port ends in a traceback, or waits for ever."""
     with pytest.raises(SystemExit) as stop:
         run_cli(lambda args: pytest.fail("processes started"), "spawn", ["--world-size", "2", "--dist-url", url])
     assert stop.value.code == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(start), line
+
+
+def test_under_a_launcher_rank_0_may_be_another_machine() -> None:
+    """Only the spawn script knows that every process runs here; a launcher's rank 0 may run anywhere."""
+    started = []
+    run_cli(started.append, "launch", ["--dist-url", "tcp://192.0.2.1:29500"])
+    assert [args.dist_url for args in started] == ["tcp://192.0.2.1:29500"]
 
 
 @pytest.mark.parametrize(("flags", "start"), [

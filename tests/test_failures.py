@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,6 +179,37 @@ def test_a_group_that_never_forms_is_one_line_from_the_process_that_waited(data:
     assert result.returncode == 2
     one_line_error(result, said)
     assert "Traceback" not in result.stderr
+
+
+def test_another_program_on_the_meeting_port_is_one_line(data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A web server, say, where rank 0's store should be: PyTorch's "Ping failed" traceback, otherwise."""
+    import train_multi_gpu_using_launch
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        clients = []
+
+        def answer_as_a_web_server() -> None:  # and keep the line open, as a server does
+            with contextlib.suppress(OSError):
+                while True:
+                    clients.append(server.accept()[0])
+                    clients[-1].sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        threading.Thread(target=answer_as_a_web_server, daemon=True).start()
+        port = server.getsockname()[1]
+        for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit) as stop:
+            run_cli(train_multi_gpu_using_launch.main, "launch", ["--data-path", str(data), "--output-dir",
+                                                                  str(tmp_path / "run"), *TINY_FLAGS,
+                                                                  "--dist-timeout", "3"])
+        for client in clients:
+            client.close()
+    assert stop.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"error: rank 1: another program, not rank 0's store, answers at MASTER_ADDR:MASTER_PORT "
+                    f"127.0.0.1:{port}; choose a port that nothing else listens on"), line
 
 
 @pytest.mark.parametrize(("variables", "flags", "said"), [
