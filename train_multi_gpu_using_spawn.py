@@ -44,7 +44,7 @@ from utils import read_data
 def main(args: argparse.Namespace) -> None:
     world_size = processes_to_start(args.world_size, args.device)
     # They meet on a free port of 127.0.0.1 (or MASTER_ADDR/PORT); SIGTERM and Ctrl-C reach every one of them.
-    with meeting_on_a_free_port(), stop_signals_passed_on() as signals:
+    with meeting_on_a_free_port(args.dist_url), stop_signals_passed_on() as signals:
         # world_size new Python processes, each running worker(rank, world_size, args), rank 0 to N-1
         processes = mp.spawn(worker, args=(world_size, args), nprocs=world_size, join=False)
         wait_for_all(processes, signals, args.stop_grace)  # one failed: the others are stopped, the job fails

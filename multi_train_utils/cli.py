@@ -8,7 +8,6 @@ import argparse
 import contextlib
 import math
 import os
-import socket
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -17,7 +16,7 @@ from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS, trained_flags
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
-from .errors import UserInputError, path_kind, system_reason
+from .errors import UserInputError, path_kind
 from .files import check_readable_file
 from .optim import OPTIMIZERS, SCHEDULES
 from .shutdown import ends_in_one_line
@@ -327,11 +326,11 @@ def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
     with ends_in_one_line(rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
         ending.output_dir = args.output_dir  # the stop line names the run's last checkpoint
-        check_before_start(args, all_processes_here=launcher == "spawn")
+        check_before_start(args)
         main(args)
 
 
-def check_before_start(args: argparse.Namespace, all_processes_here: bool = False) -> None:
+def check_before_start(args: argparse.Namespace) -> None:
     """That the files named are files and --dist-url a place to meet (the model and data are checked where read)."""
     if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
         raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
@@ -346,14 +345,12 @@ def check_before_start(args: argparse.Namespace, all_processes_here: bool = Fals
     if getattr(args, "dist_url", "").startswith("file://"):
         check_meeting_file(args.dist_url)
     elif getattr(args, "dist_url", "").startswith("tcp://"):
-        check_meeting_address(args.dist_url, all_processes_here)
+        check_meeting_address(args.dist_url)
 
 
-def check_meeting_address(dist_url: str, all_processes_here: bool) -> None:
+def check_meeting_address(dist_url: str) -> None:
     """--dist-url tcp://HOST:PORT names both. PyTorch meets a missing or misspelt one with a traceback, and port 0
-    with a wait for ever: rank 0 listens on a port of its own choosing, which no other rank knows. Where all the
-    processes run here, rank 0 among them, HOST is this machine's: elsewhere they would wait for a rank 0 that is
-    not there."""
+    with a wait for ever: rank 0 listens on a port of its own choosing, which no other rank knows."""
     url = urlparse(dist_url)
     try:
         port = url.port
@@ -362,15 +359,6 @@ def check_meeting_address(dist_url: str, all_processes_here: bool) -> None:
     if not url.hostname or not port:
         raise UserInputError(f"--dist-url {dist_url}: expected tcp://HOST:PORT, rank 0's address and a free port "
                              "from 1 to 65535 (such as tcp://10.0.0.1:29500)")
-    if all_processes_here:
-        try:
-            family, _, _, _, address = socket.getaddrinfo(url.hostname, 0, type=socket.SOCK_STREAM)[0]
-            with socket.socket(family, socket.SOCK_STREAM) as listener:
-                listener.bind(address)
-        except OSError as err:
-            raise UserInputError(f"--dist-url {dist_url}: this machine cannot listen at {url.hostname} "
-                                 f"({system_reason(err)}); the spawned processes all run here: give an address of "
-                                 f"this machine, such as tcp://127.0.0.1:{port}") from None
 
 
 def check_meeting_file(dist_url: str) -> None:

@@ -588,9 +588,11 @@ def read_on_main(read: Callable[[], Any]) -> Any:
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (another program may take it before it is used: port_taken_line)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    """A port of `host` (IPv4 or IPv6) nobody listens on right now (another program may take it before it is used:
+    port_taken_line). OSError where this machine cannot listen at `host`."""
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind(address)
         return sock.getsockname()[1]
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
+from urllib.parse import urlparse
 
 import torch
 import torch.multiprocessing as mp
@@ -59,19 +60,19 @@ def processes_to_start(world_size: int | None, device: str | None) -> int:
 
 
 @contextlib.contextmanager
-def meeting_on_a_free_port() -> Iterator[None]:
-    """Where the processes meet (init_distributed_mode's env://), for the length of the block: a free port of
-    127.0.0.1, so that two jobs on one machine do not collide, unless MASTER_ADDR and MASTER_PORT are set (yours
-    win). The next job this process starts picks a port of its own."""
+def meeting_on_a_free_port(dist_url: str = "env://") -> Iterator[None]:
+    """Where the processes meet, for the length of the block. env://: a free port of 127.0.0.1, so that two jobs
+    on one machine do not collide, unless MASTER_ADDR and MASTER_PORT are set (yours win); the next job this process
+    starts picks a port of its own. tcp://HOST:PORT: HOST must be this machine's, as for MASTER_ADDR."""
+    if dist_url.startswith("tcp://"):
+        url = urlparse(dist_url)  # its form checked by cli.check_meeting_address
+        free_port_here(url.hostname or "", f"--dist-url {dist_url}", f"such as tcp://127.0.0.1:{url.port}")
+        yield
+        return
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": host}
     if "MASTER_PORT" not in os.environ:  # (MASTER_PORT_CHOSEN_BY: for the message if it is taken meanwhile)
-        try:
-            port = find_free_port(host)
-        except OSError as err:  # not an address of this machine, where every spawned process runs
-            raise UserInputError(f"MASTER_ADDR {host}: this machine cannot listen there ({system_reason(err)}); the "
-                                 "spawned processes all run here: unset MASTER_ADDR, or give an address of this "
-                                 "machine") from None
+        port = free_port_here(host, f"MASTER_ADDR {host}", "or unset MASTER_ADDR")
         chosen.update(MASTER_PORT=str(port), MASTER_PORT_CHOSEN_BY="spawn")
     os.environ.update(chosen)
     try:
@@ -79,6 +80,16 @@ def meeting_on_a_free_port() -> Iterator[None]:
     finally:
         for name in chosen:
             os.environ.pop(name, None)
+
+
+def free_port_here(host: str, named: str, instead: str) -> int:
+    """A free port of `host`, which must be this machine's, where every spawned process runs, rank 0 among them:
+    elsewhere they would wait for a rank 0 that is not there."""
+    try:
+        return find_free_port(host)
+    except OSError as err:
+        raise UserInputError(f"{named}: this machine cannot listen there ({system_reason(err)}); the spawned "
+                             f"processes all run here: give an address of this machine, {instead}") from None
 
 
 class StopSignalPasser:

@@ -168,8 +168,6 @@ def test_files_named_by_flags_are_checked_before_any_work(flags: list[str], star
     *((url, f"error: --dist-url {url}: expected tcp://HOST:PORT, rank 0's address and a free port")
       for url in ("tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:abc",
                   "tcp://:29500", "tcp://")),
-    # 192.0.2.1 is kept for documentation (RFC 5737): no machine has it, so rank 0 cannot listen there
-    ("tcp://192.0.2.1:29500", "error: --dist-url tcp://192.0.2.1:29500: this machine cannot listen at 192.0.2.1 ("),
 ])
 def test_a_meeting_point_that_cannot_be_met_is_one_line_before_any_process_starts(
         url: str, start: str, capsys: pytest.CaptureFixture[str]) -> None:

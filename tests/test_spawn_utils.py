@@ -69,6 +69,24 @@ def test_a_master_addr_that_is_not_this_machines_is_one_line(monkeypatch: pytest
         pytest.fail("no port was chosen")
 
 
+def test_a_dist_url_host_that_is_not_this_machines_is_one_line() -> None:
+    """The same for --dist-url tcp://: rank 0 would never start where the others look for it."""
+    with pytest.raises(UserInputError, match=r"^--dist-url tcp://192\.0\.2\.1:29500: this machine cannot listen "
+                                             r"there \(.+\); the spawned processes all run here: give an address of "
+                                             r"this machine, such as tcp://127\.0\.0\.1:29500$"), \
+            spawn_utils.meeting_on_a_free_port("tcp://192.0.2.1:29500"):
+        pytest.fail("the processes were let start")
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 in this Python")
+def test_ipv6_loopback_is_this_machines(monkeypatch: pytest.MonkeyPatch, no_preset_port: None) -> None:
+    with spawn_utils.meeting_on_a_free_port("tcp://[::1]:29500"):
+        pass
+    monkeypatch.setenv("MASTER_ADDR", "::1")
+    with spawn_utils.meeting_on_a_free_port():
+        assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+
+
 @pytest.mark.slow
 def test_a_port_taken_after_the_script_chose_it_is_one_line(monkeypatch: pytest.MonkeyPatch, no_preset_port: None,
                                                              taken_port: int, tmp_path: Path,
