@@ -62,7 +62,8 @@ def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> No
 
 def test_spawn_two_processes_with_the_speed_flags(odd_folder: Path, tmp_path: Path) -> None:
     speed = ["--amp", "bf16", "--channels-last", "--accum-steps", "2", "--comm-hook", "bf16", "--bucket-cap-mb", "5",
-             "--lr", "0.005"]  # bf16 on 16-px images: 0.01 x 4 batches is a step too far
+             "--lr", "0.005", "--image-size", "32"]  # bf16: 0.01 x 4 batches is a step too far; on 16 px the
+    # last stages see 1 x 1 maps, where PyTorch's bf16 backward on the CPU turns a gradient NaN on some draws
     result = run([python(), SPAWN, "--world-size", "2", *flags(odd_folder, tmp_path), *speed])
     finished(result, tmp_path, world_size=2)
     assert "(spawn, gloo): rank 1/2" in result.stdout

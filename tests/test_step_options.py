@@ -144,8 +144,11 @@ def test_the_speed_flags_train_a_whole_run(tmp_path: Path) -> None:
     data = make_image_folder(tmp_path / "images", {"red": 12, "green": 12, "blue": 12})
     out = tmp_path / "run"
     args = parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
-                                 "--amp", "bf16", "--channels-last", "--accum-steps", "2", "--lr", "0.001"])
-    train_single_gpu.main(args)  # (with --lr 0.01, bf16 diverged on some draws of the random images)
+                                 "--amp", "bf16", "--channels-last", "--accum-steps", "2", "--lr", "0.001",
+                                 "--image-size", "32"])
+    # At 16 px resnet18's last two stages see 1 x 1 maps, where PyTorch's bf16 backward on the CPU turns a
+    # gradient NaN on some draws of the weights (1 run in 15 here; at 32 px none in 60).
+    train_single_gpu.main(args)
     metrics = json.loads((out / "metrics.jsonl").read_text())
     assert metrics["lr"] == pytest.approx(0.002), "the lr grows with the accumulated batch"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["args"]["amp"] == "bf16"
