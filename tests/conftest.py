@@ -37,7 +37,7 @@ TINY_FLAGS = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", 
 
 def write_image(path: Path, color: tuple[int, int, int], size: int = 24, mode: str = "RGB") -> Path:
     """A small image of one colour with a little noise, saved in whatever format the suffix says."""
-    rng = np.random.default_rng(zlib.crc32(path.name.encode()))  # hash() would draw other images every session
+    rng = np.random.default_rng(zlib.crc32(os.fsencode(path.name)))  # hash(): other images in every session
     pixels = np.clip(np.array(color) + rng.normal(0, 12, (size, size, 3)), 0, 255).astype(np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(pixels, "RGB").convert(mode).save(path)
