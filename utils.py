@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from PIL import features
 
+from multi_train_utils.data import JPEG_SUFFIXES
 from multi_train_utils.distributed_utils import (
     DistContext,
     barrier,
@@ -54,7 +55,7 @@ from my_dataset import Paths, header_problem
 
 # Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF, Windows' browsers .jfif; and
 # AVIF, what browsers and phones now save, where Pillow reads it (11.3 and later).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jfif", ".jpe", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff") + (
+IMAGE_EXTENSIONS = JPEG_SUFFIXES + (".png", ".bmp", ".webp", ".gif", ".tif", ".tiff") + (
     (".avif",) if "avif" in features.modules and features.check_module("avif") else ())
 # Folders that systems, not people, put among photos: a zip made on a Mac, a Synology NAS's thumbnails (JPEGs
 # themselves), a disk's own, Windows' on a USB stick. Like hidden ones (.git, .ipynb_checkpoints), never read.

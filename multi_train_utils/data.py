@@ -40,6 +40,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from .distributed_utils import DistContext, print_main, usable_cpus
 from .errors import STOP_SIGNALS, UserInputError
 
+# Matched without regard to case; the last two are what Windows' browsers save. utils.IMAGE_EXTENSIONS starts with
+# them, and --decode-on gpu decodes these on the GPU.
+JPEG_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".jpe")
+
 
 def seed_everything(seed: int, rank: int = 0) -> None:
     """Seed Python, NumPy and torch; each rank gets its own stream so augmentations differ across ranks."""

@@ -21,11 +21,11 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
+from .data import JPEG_SUFFIXES
 from .distributed_utils import print_main
 
 EXIF_ORIENTATION = 0x0112
 PREVIEW_SIDE = 64  # pixels: the side of a whole picture shown by whole_images
-JPEG_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".jpe")  # the last two: what Windows' browsers save
 
 
 class EncodedBatch(NamedTuple):
