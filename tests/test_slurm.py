@@ -129,7 +129,15 @@ class Job:
             time.sleep(0.2)
 
     def output(self) -> str:
-        return self.log.read_text()[-4000:] if self.log.exists() else "(no log)"
+        """The job's log, and what a failure that leaves no trace there needs: how far each process loaded, and
+        what slurmd logged of the job (its signals and kills)."""
+        log = self.log.read_text()[-4000:] if self.log.exists() else "(no log)"
+        loaded = {path.name: len(path.read_text().splitlines()) for path in sorted(self.record.iterdir())}
+        of_the_job = re.compile(rf"\b(?:job|JobId=|StepId=)\s*{self.id}\b", re.IGNORECASE)
+        slurmd = [line for path in sorted((self.cluster.root / "log").glob("slurmd.*.log"))
+                  for line in path.read_text(errors="replace").splitlines() if of_the_job.search(line)]
+        return (f"{log}\n-- samples loaded per process: {loaded}\n-- slurmd on job {self.id}:\n"
+                + "\n".join(slurmd[-30:]))
 
     def weights(self) -> dict[str, torch.Tensor]:
         return torch.load(self.out / "weights" / "model-1.pth", weights_only=True)
