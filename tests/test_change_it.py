@@ -46,12 +46,16 @@ def copy_of_the_repository(folder: Path) -> Path:
     return folder
 
 
-def apply(recipe: str, copy: Path) -> None:
+def apply(recipe: str, copy: Path, check: bool = False) -> None:
+    """The recipe's diffs, applied to `copy` (with `check`, only tried). One line of context each side is enough,
+    as for a reader: a line of one's own added beside a changed line leaves the recipe as true as it was."""
     for diff in blocks(recipe, "diff"):
-        patch = copy / "recipe.diff"
+        patch = copy.parent / "recipe.diff"
         patch.write_text(diff)
-        applied = subprocess.run(["git", "apply", "--verbose", str(patch)], cwd=copy, capture_output=True, text=True)
-        assert applied.returncode == 0, f"{recipe}: its diff no longer applies\n{applied.stderr}"
+        applied = subprocess.run(["git", "apply", "-C1", "--check" if check else "--verbose", str(patch)], cwd=copy,
+                                 capture_output=True, text=True)
+        assert applied.returncode == 0, (f"docs/change-it.md, {recipe!r}: its diff no longer matches the code; "
+                                         f"update the diff there\n{applied.stderr}")
         patch.unlink()
 
 
@@ -264,11 +268,7 @@ def test_every_recipe_applies_to_a_fresh_copy_and_the_minimal_version_leaves_not
     imported nowhere."""
     copy = copy_of_the_repository(tmp_path / "repo")
     for recipe in RECIPES:
-        for diff in blocks(recipe, "diff"):
-            (tmp_path / "recipe.diff").write_text(diff)
-            applies = subprocess.run(["git", "apply", "--check", str(tmp_path / "recipe.diff")], cwd=copy,
-                                     capture_output=True, text=True)
-            assert applies.returncode == 0, f"{recipe}: its diff no longer applies\n{applies.stderr}"
+        apply(recipe, copy, check=True)
     minimal_copy(tmp_path / "minimal")
 
 
