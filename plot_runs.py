@@ -46,8 +46,8 @@ class Run:
         return [m["epoch"] for m in self.metrics], [m[key] for m in self.metrics]
 
     @property
-    def world_size(self) -> int:
-        return self.metrics[-1]["world_size"]
+    def world_size(self) -> int | None:  # None: a run written before metrics.jsonl said it
+        return self.metrics[-1].get("world_size")
 
 
 def read_run(folder: str | Path, label: str | None = None) -> Run:
@@ -64,9 +64,12 @@ def read_run(folder: str | Path, label: str | None = None) -> Run:
     if not metrics:
         raise RunFolderError(f"{path}: no finished epoch yet")
     by_epoch = {m["epoch"]: m for m in metrics}  # a resumed run may have rewritten an epoch
-    processes = metrics[-1]["world_size"]
-    default = f"{Path(folder).name} ({processes} process{'es' if processes > 1 else ''})"
-    return Run(label or default, [by_epoch[e] for e in sorted(by_epoch)])
+    run = Run(label or Path(folder).name, [by_epoch[e] for e in sorted(by_epoch)])
+    if run.world_size is None:
+        report(f"{path}: its lines hold no world_size (written before they did): {run.label} is drawn without its "
+               "number of processes")
+        return run
+    return Run(label or f"{run.label} ({run.world_size} process{'es' if run.world_size > 1 else ''})", run.metrics)
 
 
 def plot_accuracy(runs: Sequence[Run]) -> Figure:
@@ -98,7 +101,7 @@ def plot_epoch_time(runs: Sequence[Run]) -> Figure:
     """Median seconds per epoch (training and validation) of each run, by process count, with the
     median training throughput written on each bar. The median, because the first epoch carries
     one-time costs (memory allocation, caches) that later epochs do not."""
-    ordered = sorted(runs, key=lambda run: run.world_size)
+    ordered = sorted(runs, key=lambda run: run.world_size or 0)
     seconds = [statistics.median(run.series("epoch_time_s")[1]) for run in ordered]
     throughput = [statistics.median(run.series("images_per_s")[1]) for run in ordered]
     fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")

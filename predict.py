@@ -27,7 +27,7 @@ from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLine
 from multi_train_utils.distributed_utils import resolve_device, use_device
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.files import load_file
-from multi_train_utils.recorder import CHECKPOINT_NAME
+from multi_train_utils.run_folder import CHECKPOINT_NAME
 from multi_train_utils.train_eval_utils import to_model_input
 from my_dataset import UnreadableImageError, build_transforms, decode_rgb
 from utils import IMAGE_EXTENSIONS, list_images
@@ -129,7 +129,8 @@ def describe(path: str, probabilities: torch.Tensor, class_names: list[str], top
     values, indices = probabilities.topk(min(top_k, len(class_names)))
     top = [(class_names[i], p) for i, p in zip(indices.tolist(), values.tolist(), strict=True)]
     if as_json:
-        return json.dumps({"image": path, "top": [{"class": name, "probability": p} for name, p in top]})
+        return json.dumps({"image": path, "top": [{"class": name, "probability": p} for name, p in top]},
+                          allow_nan=False)
     return f"{path}  " + "  ".join(f"{name} {p:.3f}" for name, p in top)
 
 
@@ -149,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="surrogateescape")
     classified = 0
     for path, probabilities in predict(model, paths, run.image_size, device, args.batch_size):
+        if not probabilities.isfinite().all():
+            raise UserInputError(f"--weights {run.weights}: gives NaN for {path}: these weights have diverged (the "
+                                 "loss of their run became NaN or infinite); use an earlier epoch's "
+                                 "weights/model-N.pth")
         print(describe(path, probabilities, run.class_names, args.top_k, args.json), flush=True)
         classified += 1
     return 0 if classified == len(paths) else 1

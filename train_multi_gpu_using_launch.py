@@ -12,13 +12,12 @@ from multi_train_utils.errors import quiet_ctrl_c_while_starting
 
 quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
 
-import argparse
-
 from torch import nn
 
 from model import build_model
 from multi_train_utils.checkpoint import find_saved_run
 from multi_train_utils.cli import run_cli
+from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import (
     DistContext,
@@ -36,13 +35,13 @@ from my_dataset import batch_transform, build_datasets
 from utils import read_data
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args: RunConfig) -> None:
     ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout)
     train(args, ctx)
     cleanup()  # should train() fail, run_cli leaves the process group instead, and no rank is left waiting
 
 
-def train(args: argparse.Namespace, ctx: DistContext) -> None:
+def train(args: RunConfig, ctx: DistContext) -> None:
     print_main(f"Training in {ctx.world_size} process(es) on {ctx.runs_on}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
@@ -71,7 +70,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
-    with RunRecorder(args.output_dir, ctx, data, vars(args), saved) as run:
+    with RunRecorder(args, ctx, data, saved) as run:
         fit(model, criterion, optimizer, train_loader, val_loader, ctx.device, args.epochs, scheduler, options, run)
 
 

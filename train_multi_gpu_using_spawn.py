@@ -9,14 +9,13 @@ from multi_train_utils.errors import quiet_ctrl_c_while_starting
 
 quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
 
-import argparse
-
 import torch.multiprocessing as mp
 from torch import nn
 
 from model import build_model
 from multi_train_utils.checkpoint import find_saved_run
 from multi_train_utils.cli import run_cli
+from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import (
     DistContext,
@@ -41,7 +40,7 @@ from my_dataset import batch_transform, build_datasets
 from utils import read_data
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args: RunConfig) -> None:
     world_size = processes_to_start(args.world_size, args.device)
     # They meet on a free port of 127.0.0.1 (or MASTER_ADDR/PORT); SIGTERM and Ctrl-C reach every one of them.
     with meeting_on_a_free_port(args.dist_url), stop_signals_passed_on() as signals:
@@ -50,14 +49,14 @@ def main(args: argparse.Namespace) -> None:
         wait_for_all(processes, signals, args.stop_grace)  # one failed: the others are stopped, the job fails
 
 
-def worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
+def worker(rank: int, world_size: int, args: RunConfig) -> None:
     with ends_in_one_line(rank, args.output_dir, watch_launcher=True):  # as run_cli does under a launcher
         ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
         train(args, ctx)
         cleanup()  # should train() fail, ends_in_one_line leaves the process group instead
 
 
-def train(args: argparse.Namespace, ctx: DistContext) -> None:
+def train(args: RunConfig, ctx: DistContext) -> None:
     print_main(f"Training in {ctx.world_size} process(es) on {ctx.runs_on}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
@@ -86,7 +85,7 @@ def train(args: argparse.Namespace, ctx: DistContext) -> None:
     optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
-    with RunRecorder(args.output_dir, ctx, data, vars(args), saved) as run:
+    with RunRecorder(args, ctx, data, saved) as run:
         fit(model, criterion, optimizer, train_loader, val_loader, ctx.device, args.epochs, scheduler, options, run)
 
 

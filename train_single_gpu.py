@@ -10,14 +10,13 @@ from multi_train_utils.errors import quiet_ctrl_c_while_starting
 
 quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
 
-import argparse
-
 import torch
 from torch import nn
 
 from model import build_model
 from multi_train_utils.checkpoint import find_saved_run
 from multi_train_utils.cli import run_cli
+from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.fit import fit
@@ -28,7 +27,7 @@ from my_dataset import batch_transform, build_datasets
 from utils import read_data
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args: RunConfig) -> None:
     ctx = single_process(args.device)
     print(f"Training in one process on {ctx.runs_on}")
     seed_everything(args.seed)
@@ -52,7 +51,7 @@ def main(args: argparse.Namespace) -> None:
     optimizer = build_optimizer(model, args.opt, args.lr * args.accum_steps, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
-    with RunRecorder(args.output_dir, ctx, data, vars(args), saved) as run:
+    with RunRecorder(args, ctx, data, saved) as run:
         fit(model, criterion, optimizer, train_loader, val_loader, ctx.device, args.epochs, scheduler, options, run)
 
 

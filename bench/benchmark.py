@@ -44,7 +44,7 @@ from torch import nn
 
 from bench.loader_benchmark import loader_benchmark
 from model import build_model
-from multi_train_utils.cli import OneLineErrorParser, at_least, positive_float, str2bool
+from multi_train_utils.cli import OneLineErrorParser, at_least, default_config, positive_float, str2bool
 from multi_train_utils.data import build_loaders
 from multi_train_utils.distributed_utils import (
     COMM_HOOKS,
@@ -163,7 +163,8 @@ def synthetic_loader(args: argparse.Namespace, ctx: DistContext, num_classes: in
 def training_setup(args: argparse.Namespace, ctx: DistContext, num_classes: int,
                    ) -> tuple[torch.nn.Module, torch.optim.Optimizer, StepOptions]:
     """Model, optimizer and step options, built as the training scripts build them, from the benchmark's flags."""
-    options = StepOptions.from_args(args, ctx.device)
+    options = StepOptions.from_args(default_config(amp=args.amp, channels_last=args.channels_last,
+                                                   accum_steps=args.accum_steps, comm_hook=args.comm_hook), ctx.device)
     model = build_model(args.model, num_classes).to(ctx.device, memory_format=options.memory_format)
     model = wrap_ddp(model, ctx, compile_model=args.compile, bucket_cap_mb=args.bucket_cap_mb,
                      comm_hook=args.comm_hook)

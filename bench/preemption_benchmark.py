@@ -34,6 +34,7 @@ import torch
 
 from model import create_model
 from multi_train_utils.checkpoint import Checkpointer
+from multi_train_utils.cli import default_config
 from multi_train_utils.distributed_utils import find_free_port, single_process
 from multi_train_utils.optim import build_optimizer, build_scheduler
 from multi_train_utils.recorder import RunRecorder
@@ -71,7 +72,8 @@ def time_checkpoint_write(model_name: str, repeats: int) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as folder:
         for _ in range(repeats):
             with contextlib.redirect_stdout(io.StringIO()), \
-                    RunRecorder(Path(folder) / "run", single_process("cpu"), split, {}) as recorder:
+                    RunRecorder(default_config(output_dir=str(Path(folder) / "run")), single_process("cpu"), split) \
+                    as recorder:
                 loader = torch.utils.data.DataLoader(range(10), batch_size=2)
                 checkpoints = Checkpointer(model, optimizer, scheduler, StepOptions(), recorder, loader)
                 started = time.perf_counter()

@@ -2,7 +2,8 @@
 
 - in README.md, each function named in a `<!-- generated: code FILE FUNCTION -->` marker, and the diff between
   two scripts of a `<!-- generated: diff FILE FILE -->` marker (their functions, not their docstrings);
-- in docs/flags.md, the table of every flag (`<!-- generated: flags -->`), from the scripts' own parsers.
+- in docs/flags.md, the table of every flag (`<!-- generated: flags -->`), from the scripts' own parsers;
+- in docs/long-runs.md, what a resume does with each flag (`<!-- generated: resume-rules -->`), from config.ON_RESUME.
 
     python docs/generate.py          # rewrite them after a change to the code
     python docs/generate.py --check  # exit 1, naming what is out of date (tests/test_readme.py runs this)
@@ -20,7 +21,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = (REPO / "README.md", REPO / "docs" / "flags.md")
+PAGES = (REPO / "README.md", REPO / "docs" / "flags.md", REPO / "docs" / "long-runs.md")
 PART = re.compile(r"(<!-- generated: (.+?) -->\n)(.*?)(<!-- end generated -->)", re.DOTALL)
 END = "<!-- end generated -->"
 
@@ -54,6 +55,17 @@ def flags_table() -> str:
     return "\n".join(rows)
 
 
+def resume_rules_table() -> str:
+    sys.path.insert(0, str(REPO))
+    from multi_train_utils.config import APPLIED, BOUND, THIS_COMMAND, field_names, flag_name, rule_of
+
+    rows = ["| flag | on resume | why |", "| --- | --- | --- |"]
+    order = {BOUND: 0, APPLIED: 1, THIS_COMMAND: 2}
+    for name in sorted(field_names(), key=lambda name: order[rule_of(name)[0]]):
+        rows.append(f"| `{flag_name(name)}` | {rule_of(name)[0]} | {rule_of(name)[1]} |")
+    return "\n".join(rows)
+
+
 def generated(what: str) -> str:
     kind, *names = what.split()
     if kind == "code":
@@ -63,6 +75,8 @@ def generated(what: str) -> str:
         return "```diff\n" + "\n".join(diff) + "\n```\n"
     if kind == "flags":
         return flags_table() + "\n"
+    if kind == "resume-rules":
+        return resume_rules_table() + "\n"
     raise ValueError(f"unknown generated part {what!r}")
 
 

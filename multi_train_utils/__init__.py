@@ -11,10 +11,12 @@ Each module has one concern, named for it:
                      wrapper), spawn_utils (around the spawn script's mp.spawn), shutdown (how every process of
                      a job ends together)
   data               data (samplers, loaders, the loader's worker processes)
-  a run's files      checkpoint (what resumes a run, what "best" means), recorder (what a run writes: metrics,
+  a run's files      run_folder (which file is where, the folder's lock, one run per folder, rewinds),
+                     checkpoint (what resumes a run, what "best" means), recorder (what a run writes: metrics,
                      weights, TensorBoard), files (writes never left half done, loads that name the file),
                      confusion and pictures (what validation counts and draws)
-  flags              cli; errors (the ways a run ends early, in one line)
+  flags              config (what a run is: every flag as one value, and what a resume does with each), cli (the
+                     command line); errors (the ways a run ends early, in one line)
   PyTorch releases   versions (which releases are supported, and the calls that differ between them)
   stopping           preemption (a stop signal stops every rank at the same step, with its checkpoint)
   optional features  imported only when their flag is on (fit.optional_features): ema, periodic_checkpoints,

@@ -1,9 +1,11 @@
-"""Checkpoints that let a stopped run continue exactly where it was: what they hold, which one to resume,
-and where inside an epoch training stands (a checkpoint may be written after any optimizer step)."""
+"""Checkpoints that let a stopped run continue exactly where it was: what they hold, reading the one to resume,
+and where inside an epoch training stands (a checkpoint may be written after any optimizer step). Which file
+is where is run_folder.py's; what each flag does on resume, config.py's."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import random
 import shutil
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .config import applied_changes
 from .distributed_utils import (
     get_world_size,
     is_dist_avail_and_initialized,
@@ -29,14 +32,15 @@ from .distributed_utils import (
 from .errors import UserInputError, report
 from .files import load_file, megabytes, to_cpu
 from .optim import align_schedule, scheduled_lr
-from .recorder import (
-    CHECKPOINT_NAME,
+from .recorder import RunRecorder, model_weights
+from .run_folder import (
     LOCK_NAME,
-    RunRecorder,
     SavedRun,
-    model_weights,
+    checkpoint_to_resume,
     newest_readable,
     refuse_a_folder_in_use,
+    rewinds_here,
+    write_checkpoint,
 )
 from .train_eval_utils import Hook, StepEnd, StepOptions, stop_if_diverged
 
@@ -86,19 +90,12 @@ class EpochProgress:
     loss_sum: float = 0.0  # their summed training loss (for the epoch's train_loss)
 
 
-# How an optimizer runs, not what it computes: they belong to this run (its device, its flags), not to
-# the run that saved the checkpoint.
-IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
-
-
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Load a saved optimizer state into this run's optimizer, whatever device and flags saved it.
-
-    load_state_dict takes every group option from the file. A CPU run saves fused=False; resumed on a GPU
-    with fp16, the fused step GradScaler expects would then refuse to run. Its buffers (momentum) also keep
-    the memory layout they were saved in, which fused SGD refuses after --channels-last changed.
-    """
-    own = [{key: group[key] for key in IMPLEMENTATION_OPTIONS if key in group} for group in optimizer.param_groups]
+    """Load what a saved optimizer learnt (momentum, Adam's moments) into this run's optimizer, which keeps its
+    own options: the lr and weight decay of this run's flags (a resume may change them), and how it runs on this
+    run's device (a CPU run saves fused=False, and fp16 on a GPU needs the fused step GradScaler expects).
+    Its buffers take the parameters' memory layout, which fused SGD requires after --channels-last changed."""
+    own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, options in zip(optimizer.param_groups, own, strict=True):
         group.update(options)
@@ -107,38 +104,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
             if isinstance(value, torch.Tensor) and value.shape == param.shape:
                 # empty_like keeps the parameter's device and strides (channels-last or not).
                 param_state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
-
-
-def checkpoint_to_resume(resume: str | None, output_dir: str | os.PathLike) -> Path | None:
-    """--resume PATH, or --resume auto's (and a torchrun restart's) checkpoint in --output-dir, or None."""
-    folder = Path(output_dir)
-    existing = folder / CHECKPOINT_NAME
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and existing.is_file():
-        return existing  # a restarted attempt goes on from where the failed one got to, whatever --resume says
-    if resume not in (None, "auto"):
-        path = Path(resume)
-        if path.is_dir():
-            raise UserInputError(f"--resume {resume}: is a folder; name its {CHECKPOINT_NAME}, or use --resume auto "
-                                 "with --output-dir set to that folder")
-        return path
-    if existing.exists() and resume == "auto":
-        return existing
-    if existing.exists():
-        raise UserInputError(f"--output-dir {output_dir}: holds a run already ({existing}); continue it with "
-                             "--resume auto, or choose another --output-dir")
-    return None
-
-
-def trained_flags(resume: str | None, output_dir: str | os.PathLike) -> dict[str, Any]:
-    """The flags of the run to resume (or validate), {} if there is none; read without loading its tensors (mmap),
-    since the flags are parsed before rank 0 reads the checkpoint."""
-    try:
-        path = checkpoint_to_resume(resume, output_dir)
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True) if path else None
-    except Exception:
-        return {}  # find_saved_run names what is wrong with the file
-    flags = saved.get("args") if isinstance(saved, dict) else None
-    return flags if isinstance(flags, dict) else {}
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -157,26 +122,20 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def rescale_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-               factor: float) -> None:
-    """Scale the saved lr (current, initial and the schedule's base) when the world size changed."""
-    for group in optimizer.param_groups:
-        group["lr"] *= factor
-        group["initial_lr"] *= factor
-    scheduler.base_lrs = [base * factor for base in scheduler.base_lrs]
-
-
 def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike) -> SavedRun:
     """The checkpoint to continue from, read by rank 0 and sent to every rank (before the data is read: a
     resumed run keeps its classes and split)."""
-    return SavedRun(*read_on_main(lambda: saved_checkpoint(resume_flag, Path(output_dir))))
+    return read_on_main(lambda: saved_checkpoint(resume_flag, Path(output_dir)))
 
 
-def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> tuple[str | None, dict[str, Any] | None]:
+def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> SavedRun:
     with contextlib.suppress(OSError), open(output_dir / LOCK_NAME) as lock:  # no lock file: no run in it
         refuse_a_folder_in_use(output_dir, lock)  # before anything else
     path = checkpoint_to_resume(resume_flag, output_dir)
-    return (str(path), read_checkpoint(path)) if path else (None, None)
+    if path is None:
+        return SavedRun()
+    checkpoint = read_checkpoint(path)
+    return SavedRun(str(path), checkpoint, rewinds=rewinds_here(path, checkpoint, output_dir))
 
 
 def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:
@@ -199,18 +158,22 @@ class Best:
 
     metric: str = "val_acc"
     value: float | None = None
+    epoch: int | None = None  # whose weights best.pth holds
 
     def update(self, metrics: dict[str, Any], prefix: str = "") -> bool:
-        """Whether `metrics` (its `prefix` + metric) is the best so far (a tie is, a NaN never); if so, it is now."""
+        """Whether `metrics` (its `prefix` + metric) is the best so far (a tie is; a NaN or an infinity never, nor
+        anything where the validation loss is not finite); if so, it is now."""
         value, higher = metrics[prefix + self.metric], BEST_METRICS[self.metric] == "higher"
-        if value != value or (self.value is not None and (value < self.value if higher else value > self.value)):
+        if not (math.isfinite(value) and math.isfinite(metrics[prefix + "val_loss"])):
             return False
-        self.value = value
+        if self.value is not None and (value < self.value if higher else value > self.value):
+            return False
+        self.value, self.epoch = value, metrics["epoch"]
         return True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # a saved run's best, if judged by this metric
         if state.get("metric") == self.metric:
-            self.value = state["value"]
+            self.value, self.epoch = state["value"], state.get("epoch")
 
 
 def warn_if_the_disk_is_short(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -248,61 +211,60 @@ class Checkpointer(Hook):
         self.steps_per_epoch = -(-len(train_loader) // options.accum_steps)
         self.samples_per_step = train_loader.batch_size * get_world_size() * options.accum_steps
         self.start = EpochProgress(0)
-        self.best = Best(recorder.args.get("best_metric", "val_acc"))
+        self.best = Best(recorder.config.best_metric)
         self.hooks: list[Hook] = []  # whose state_dict() the checkpoint keeps too
         self.last_step: StepEnd | None = None
         self.last_saved: tuple[int, int | None] | None = None  # (epoch, step) of the last checkpoint written
         self.saved_at = time.monotonic()  # when it was written (or training started)
         if recorder.enabled:
-            epochs = recorder.args.get("epochs", 1) if recorder.args.get("keep_epoch_weights", True) else 0
+            epochs = recorder.config.epochs if recorder.config.keep_epoch_weights else 0
             warn_if_the_disk_is_short(recorder.output_dir, model, optimizer, epochs)
 
     def resume(self, saved: SavedRun) -> int:
-        """Load the saved run into this one; return the epoch training goes on in."""
+        """Load the saved run into this one; return the epoch training goes on in. What the optimizer, the
+        schedule and the features do from here is this run's configuration: a flag changed on resume applies
+        from the first step this run takes (config.ON_RESUME), and is said."""
         checkpoint = saved.state
         problem = state_dict_mismatch(unwrap_model(self.model), checkpoint["model"])
         if problem:
-            model = checkpoint.get("args", {}).get("model")
-            raise UserInputError(f"--resume {saved.path}: saved from --model {model} on data with other classes "
-                                 f"or another model; it does not fit ({problem})")
+            raise UserInputError(f"--resume {saved.path}: saved from another model, or for other classes, than "
+                                 f"--model {self.recorder.config.model} here; it does not fit ({problem})")
         unwrap_model(self.model).load_state_dict(checkpoint["model"])
-        saved_opt, opt = checkpoint.get("args", {}).get("opt", "sgd"), self.recorder.args.get("opt", "sgd")
-        if saved_opt != opt:
-            raise UserInputError(f"--opt {opt}: the run to resume ({saved.path}) trained with --opt {saved_opt}, "
-                                 "whose state this optimizer cannot take; resume with it")
         try:
             load_optimizer_state(self.optimizer, checkpoint["optimizer"])
         except ValueError as err:  # another set of parameters
             raise UserInputError(f"--resume {saved.path}: its optimizer state does not fit this run's optimizer "
                                  f"({str(err).splitlines()[0]}); resume with the run's --model and --opt") from None
-        if self.scheduler is not None and checkpoint.get("scheduler"):
+        # Ours follows the flags and the step (align_schedule); a schedule of one's own goes on from its state.
+        if self.scheduler is not None and checkpoint.get("scheduler") and not isinstance(
+                self.scheduler, torch.optim.lr_scheduler.LambdaLR):
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         if self.options.scaler.is_enabled() and checkpoint.get("scaler"):  # empty when saved without fp16
             self.options.scaler.load_state_dict(checkpoint["scaler"])
-        self.restore_random_states(checkpoint)
+        self.restore_random_states(checkpoint, saved.path)
         self.best.load_state_dict(saved_best(checkpoint))
         progress = checkpoint.get("progress")
         self.start = EpochProgress(**progress) if progress else EpochProgress(checkpoint["epoch"] + 1)
         # The position is kept in samples: with other processes or batches, it is another step.
         self.start.step = self.start.samples_seen // self.samples_per_step
         print_main(f"Resuming from {saved.path} at epoch {self.start.epoch}, step {self.start.step}")
+        changes = applied_changes(self.recorder.config, checkpoint.get("args") or {})
+        if changes:
+            print_main(f"Changed on resume, applied from here on and kept in the checkpoints: {', '.join(changes)}")
         return self.start.epoch
 
-    def restore_random_states(self, checkpoint: dict[str, Any]) -> None:
-        """Every rank's random state; with another number of processes, the lr follows the new batch."""
-        states, world_size = checkpoint["rng"], get_world_size()
-        if len(states) == world_size:
+    def restore_random_states(self, checkpoint: dict[str, Any], path: str | None) -> None:
+        """Every rank's random state, where the saved run had as many ranks."""
+        states, world_size = checkpoint.get("rng"), get_world_size()
+        if states is None:
+            print_main(f"--resume {path}: holds no random states (an older or hand-made checkpoint): the random "
+                       "augmentations are drawn anew, so the run will not end as an unbroken one would, bit for bit")
+        elif len(states) == world_size:
             set_rng_state(states[dist.get_rank() if is_dist_avail_and_initialized() else 0])
         else:
             print_main(f"Resuming with {world_size} processes instead of {len(states)}: the batches and the "
-                       "random augmentations differ from the saved run's, not the images left to train on")
-        # The lr was scaled with the batch of one optimizer step (processes x accumulated batches); follow it.
-        saved_batches = len(states) * checkpoint.get("args", {}).get("accum_steps", 1)
-        batches = world_size * self.options.accum_steps
-        if batches != saved_batches and self.scheduler is not None:
-            rescale_lr(self.optimizer, self.scheduler, batches / saved_batches)
-            print_main(f"The lr is scaled by {batches}/{saved_batches} with the batches of one optimizer step "
-                       "(processes x --accum-steps)")
+                       "random augmentations differ from the saved run's, not the images left to train on, and "
+                       "the lr follows the batch of one step (processes x --accum-steps)")
 
     def resumed_part(self, epoch: int) -> EpochProgress:
         """What was trained of `epoch` before this run: all of the resumed epoch's first part, else nothing."""
@@ -333,8 +295,9 @@ class Checkpointer(Hook):
         before = self.resumed_part(epoch)
         if not before.samples_seen:
             return
-        trained = (self.last_step.images * get_world_size()) if self.last_step else 0
-        metrics["train_loss"] = (before.loss_sum + metrics["train_loss"] * trained) / (before.samples_seen + trained)
+        trained = (self.last_step.images * get_world_size()) if self.last_step else 0  # none: it ended at a step
+        trained_loss = metrics["train_loss"] * trained if trained else 0.0
+        metrics["train_loss"] = (before.loss_sum + trained_loss) / (before.samples_seen + trained)
         if self.scheduler is not None:
             metrics["lr"] = scheduled_lr(self.scheduler, epoch * self.steps_per_epoch)
 
@@ -348,7 +311,7 @@ class Checkpointer(Hook):
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.options.scaler.state_dict(), "epoch": epoch,
             "progress": asdict(progress) if progress else None, "best": asdict(self.best),
-            "rng": to_cpu(gather_rng_states()), "args": self.recorder.args, "split": self.recorder.split,
+            "rng": to_cpu(gather_rng_states()), "args": self.recorder.config.as_saved(), "split": self.recorder.split,
         }
         for hook in self.hooks:
             if hook.name:
@@ -359,15 +322,18 @@ class Checkpointer(Hook):
         """Write the checkpoint of the step just taken (every rank takes part); return where it stands."""
         stop_if_diverged(step.non_finite, step.epoch, step.step)  # a checkpoint never keeps NaN weights
         progress = self.position(step)
-        self.recorder.write_checkpoint(self.build(step.epoch - 1, replace(progress)),
-                                       f"epoch-{progress.epoch}-step-{progress.step}")
+        self.write(self.build(step.epoch - 1, replace(progress)))
         self.last_saved, self.saved_at = (progress.epoch, progress.step), time.monotonic()
         return progress
 
     def save_epoch(self, epoch: int) -> None:
         """Write the checkpoint of the end of `epoch` (every rank takes part)."""
-        self.recorder.write_checkpoint(self.build(epoch), f"epoch-{epoch}-end")
+        self.write(self.build(epoch))
         self.last_saved, self.saved_at = (epoch, None), time.monotonic()
+
+    def write(self, checkpoint: dict[str, Any]) -> None:
+        if self.recorder.enabled:
+            write_checkpoint(self.recorder.output_dir, checkpoint, self.recorder.config.keep_checkpoints)
 
     def improved(self, metrics: dict[str, Any]) -> bool:
         """Whether the epoch's `metrics` are the best so far, by --best-metric: best.pth is due."""

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 from urllib.parse import urlparse
 
-from .checkpoint import BEST_METRICS, trained_flags
+from .checkpoint import BEST_METRICS
+from .config import RunConfig, bound_change, field_names, saved_values
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
 from .errors import UserInputError, path_kind
 from .files import check_readable_file
 from .optim import OPTIMIZERS, SCHEDULES
+from .run_folder import trained_flags
 from .shutdown import ends_in_one_line
 from .train_eval_utils import AMP_CHOICES
 
@@ -174,8 +177,7 @@ FLAGS = {
     "--sched": dict(default="cosine", choices=tuple(SCHEDULES), help="the lr schedule after the warm-up, stepped "
                     "every optimizer step: cosine down to --lrf x --lr, a tenth as large after each third of "
                     "training, or constant"),
-    "--lrf": dict(type=fraction, default=None, help="--sched cosine: the final lr as a fraction of --lr (default "
-                  "0.1)"),
+    "--lrf": dict(type=fraction, default=0.1, help="--sched cosine: the final lr as a fraction of --lr"),
     "--warmup-epochs": dict(type=at_least(0), default=0, help="epochs of linear lr warm-up before the schedule, "
                             "rising every optimizer step"),
     "--model": dict(default=None, help="a model registered in model.py, or any torchvision classification "
@@ -259,62 +261,83 @@ FLAGS_OF = {"single": (FLAGS,), "launch": (FLAGS, MULTI_PROCESS_FLAGS, LAUNCH_FL
 
 
 def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
-    """The flags of one script; multi-process flags only where they apply."""
+    """The flags of one script; multi-process flags only where they apply. A flag spelt with _ (the tutorial's
+    --num_classes) also takes - (--num-classes), as config.flag_name writes it."""
     parser = OneLineErrorParser(add_help=add_help, formatter_class=DefaultsOnceFormatter)
     for flags in FLAGS_OF[launcher]:
         for names, options in flags.items():
-            parser.add_argument(*names.split(), **options)
+            aliases = [name.replace("_", "-") for name in names.split()]
+            parser.add_argument(*dict.fromkeys(names.split() + aliases), **options)
     return parser
 
 
-def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the flags and fill in the defaults that depend on whether the demo data is used."""
-    parser = get_args_parser(launcher)
-    args = parser.parse_args(argv)
-    if (args.model is None or args.image_size is None) and (args.resume or args.eval_only):
-        # The run goes on (or is validated) with the model and the image size it trained with, whichever data it
-        # is given now: weights validated at another size score near chance, and nothing would say why.
-        trained = trained_flags(args.resume or "auto", args.output_dir)
-        args.model = trained.get("model") if args.model is None else args.model
-        args.image_size = trained.get("image_size") if args.image_size is None else args.image_size
-    args.model = DEFAULT_MODEL if args.model is None else args.model
-    defaults = DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.eval_only:
-        # The run's own split (found through its checkpoint) and its best weights, unless named.
-        args.resume = args.resume or "auto"
-        args.weights = args.weights or str(Path(args.output_dir) / "weights" / "best.pth")
-    problem = flag_combination_problem(args)
+NOT_GIVEN = object()
+
+
+def given_flags(launcher: Launcher, argv: Sequence[str] | None) -> set[str]:
+    """The flags on the command line, by field name; one given its default value is given all the same."""
+    probe = get_args_parser(launcher, add_help=False)
+    probe.set_defaults(**dict.fromkeys(field_names(), NOT_GIVEN))
+    return {name for name, value in vars(probe.parse_args(argv)).items() if value is not NOT_GIVEN}
+
+
+def flag_defaults() -> dict[str, Any]:
+    """Every flag's default, by field name, those of the other scripts' flags included."""
+    return {names.split()[0][2:].replace("-", "_"): options["default"]  # the field: argparse's rule
+            for flags in (FLAGS, MULTI_PROCESS_FLAGS, SPAWN_FLAGS, LAUNCH_FLAGS) for names, options in flags.items()}
+
+
+def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> RunConfig:
+    """The run's configuration: the flags given; for a resumed (or validated) run, the saved run's values of the
+    others (config.saved_values); then the defaults, some of which depend on whether the demo data is used."""
+    values = flag_defaults() | vars(get_args_parser(launcher).parse_args(argv))
+    given = given_flags(launcher, argv)
+    if values["eval_only"]:
+        values["resume"] = values["resume"] or "auto"  # the run's own split, found through its checkpoint
+    saved = trained_flags(values["resume"], values["output_dir"])
+    values = saved_values(values, saved, given)
+    defaults = {"model": DEFAULT_MODEL, **(DATA_DEFAULTS if values["data_path"] else DEMO_DEFAULTS)}
+    values |= {name: default for name, default in defaults.items() if values[name] is None}
+    if values["eval_only"] and "weights" not in given:  # the run's best weights
+        values["weights"] = str(Path(values["output_dir"]) / "weights" / "best.pth")
+    config = RunConfig(**values)
+    problem = flag_combination_problem(config, given, launcher)
+    if not problem and saved and not config.eval_only:
+        problem = bound_change(config, saved)
     if problem:
         raise UserInputError(problem)
-    if args.sched == "cosine" and args.lrf is None:
-        args.lrf = 0.1
-    return args
+    return config
 
 
-def flag_combination_problem(args: argparse.Namespace) -> str | None:
+def default_config(launcher: Launcher = "single", **changes: Any) -> RunConfig:
+    """A fresh run's configuration with the default flags, and `changes`: for a run made in code."""
+    return dataclasses.replace(parse_args(launcher, []), **changes)
+
+
+def flag_combination_problem(config: RunConfig, given: set[str], launcher: Launcher) -> str | None:
     """What is wrong with flags that are each fine alone, or None."""
-    if getattr(args, "syncBN", False) and args.compile:
+    if config.syncBN and config.compile:
         # torch.compile breaks its graph at every SyncBatchNorm, so the pair is slower than either alone.
         return ("--syncBN with --compile: torch.compile breaks its graph at every SyncBatchNorm layer, which "
                 "costs more than compiling saves; use one of the two")
-    if args.warmup_epochs >= args.epochs:
-        return f"--warmup-epochs {args.warmup_epochs}: must be fewer than --epochs {args.epochs}"
-    if args.unfreeze_epoch is not None and not args.freeze_layers:
-        return f"--unfreeze-epoch {args.unfreeze_epoch}: there is nothing to unfreeze without --freeze-layers"
-    if args.lrf is not None and args.sched != "cosine":
-        return f"--lrf {args.lrf:g}: the final lr of --sched cosine; --sched {args.sched} has none"
-    if args.device == "mps" and hasattr(args, "dist_url"):
+    if config.warmup_epochs >= config.epochs:
+        return f"--warmup-epochs {config.warmup_epochs}: must be fewer than --epochs {config.epochs}"
+    if config.unfreeze_epoch is not None and not config.freeze_layers:
+        return f"--unfreeze-epoch {config.unfreeze_epoch}: there is nothing to unfreeze without --freeze-layers"
+    if config.unfreeze_epoch is not None and config.unfreeze_epoch >= config.epochs:
+        return (f"--unfreeze-epoch {config.unfreeze_epoch}: must be below --epochs {config.epochs}, or no epoch "
+                "would train every layer")
+    if "lrf" in given and config.sched != "cosine":
+        return f"--lrf {config.lrf:g}: the final lr of --sched cosine; --sched {config.sched} has none"
+    if config.device == "mps" and launcher != "single":
         return ("--device mps: DistributedDataParallel has no backend for Apple GPUs; train on one with "
                 "train_single_gpu.py --device mps")
-    if not getattr(args, "dist_url", "env://").startswith(("env://", "tcp://", "file://")):
-        return f"--dist-url {args.dist_url}: expected env://, tcp://HOST:PORT or file://PATH"
+    if not config.dist_url.startswith(("env://", "tcp://", "file://")):
+        return f"--dist-url {config.dist_url}: expected env://, tcp://HOST:PORT or file://PATH"
     return None
 
 
-def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
+def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
             argv: Sequence[str] | None = None) -> None:
     """Parse the flags, check them against the files, run `main`; however it ends early, it ends in one line
     (shutdown.ends_in_one_line)."""
@@ -330,7 +353,7 @@ def run_cli(main: Callable[[argparse.Namespace], None], launcher: Launcher,
         main(args)
 
 
-def check_before_start(args: argparse.Namespace) -> None:
+def check_before_start(args: RunConfig) -> None:
     """That the files named are files and --dist-url a place to meet (the model and data are checked where read)."""
     if path_kind(Path(args.output_dir), "--output-dir") not in ("missing", "folder"):
         raise UserInputError(f"--output-dir {args.output_dir}: is a file; the run writes a folder there")
@@ -342,9 +365,9 @@ def check_before_start(args: argparse.Namespace) -> None:
                              "with --weights, or the run's folder with --output-dir")
     if args.resume not in (None, "auto"):
         check_readable_file(Path(args.resume), "--resume")
-    if getattr(args, "dist_url", "").startswith("file://"):
+    if args.dist_url.startswith("file://"):
         check_meeting_file(args.dist_url)
-    elif getattr(args, "dist_url", "").startswith("tcp://"):
+    elif args.dist_url.startswith("tcp://"):
         check_meeting_address(args.dist_url)
 
 

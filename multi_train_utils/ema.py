@@ -14,6 +14,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 
 from .checkpoint import Best, Checkpointer, saved_best
+from .config import RunConfig
 from .distributed_utils import get_world_size, unwrap_model
 from .recorder import RunRecorder
 from .train_eval_utils import Criterion, Hook, StepEnd, StepOptions, evaluate
@@ -52,11 +53,11 @@ class ModelEma(Hook):
         self.criterion, self.val_loader, self.recorder, self.options = criterion, val_loader, recorder, options
 
     @classmethod
-    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, criterion: Criterion,
-                  val_loader: DataLoader) -> ModelEma:
+    def from_config(cls, config: RunConfig, checkpoints: Checkpointer, criterion: Criterion,
+                    val_loader: DataLoader) -> ModelEma:
         """--model-ema, its decay per step following the batches of one step (processes x --accum-steps),
         restored from the saved run."""
-        ema = cls(checkpoints.model, args["model_ema_decay"], get_world_size() * args["accum_steps"], criterion,
+        ema = cls(checkpoints.model, config.model_ema_decay, get_world_size() * config.accum_steps, criterion,
                   val_loader, checkpoints.recorder, checkpoints.options, checkpoints.best.metric)
         saved = checkpoints.recorder.saved.state
         if saved and saved.get(cls.name):

@@ -4,6 +4,7 @@ attaches the optional features the run's flags switch on (each imported only the
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -13,12 +14,22 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .checkpoint import Checkpointer
+from .config import RunConfig
 from .confusion import class_figures
 from .data import workers_ended
 from .distributed_utils import get_world_size, print_main
 from .preemption import StopAtStep
 from .recorder import RunRecorder
-from .train_eval_utils import Criterion, EvalResult, Hook, Hooks, StepOptions, evaluate, train_one_epoch
+from .train_eval_utils import (
+    Criterion,
+    EvalResult,
+    Hook,
+    Hooks,
+    NonFiniteLossError,
+    StepOptions,
+    evaluate,
+    train_one_epoch,
+)
 
 
 def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer, train_loader: DataLoader,
@@ -32,11 +43,12 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
     if run is not None:
         checkpoints = Checkpointer(model, optimizer, scheduler, options, run, train_loader)
         start_epoch = checkpoints.resume(run.saved) if run.saved.state else 0
-        features = optional_features(run.args, epochs, checkpoints, criterion, val_loader)
+        features = optional_features(run.config, epochs, checkpoints, criterion, val_loader)
         hooks = Hooks([checkpoints, *features, run, *hooks])
         checkpoints.hooks = hooks
     if start_epoch >= epochs:
-        print_main(f"Nothing to train: the run has finished all {epochs} epochs (a larger --epochs trains on)")
+        done = f"all its {epochs}" if start_epoch == epochs else f"{start_epoch}, more than --epochs {epochs},"
+        print_main(f"Nothing to train: the run has finished {done} epochs (a larger --epochs trains on)")
     result = None
     with hooks.running(), workers_ended(train_loader, val_loader):
         for epoch in range(start_epoch, epochs):
@@ -53,6 +65,7 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
                        "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
                        "world_size": get_world_size()}
             hooks.call("on_validation_end", epoch, metrics)
+            stop_if_not_finite(metrics)  # before anything of the epoch is written
             print_main(epoch_line(metrics))
             if run is not None:
                 metrics.update(class_figures(result.sums, run.class_names))
@@ -72,22 +85,33 @@ def epoch_line(metrics: dict[str, Any]) -> str:
             f"lr {metrics['lr']:.2e}  {metrics['images_per_s']:.1f} img/s  {metrics['epoch_time_s']:.1f} s")
 
 
-def optional_features(args: dict[str, Any], epochs: int, checkpoints: Checkpointer, criterion: Criterion,
+def stop_if_not_finite(metrics: dict[str, Any]) -> None:
+    """Stop every process (their figures are the same, summed over all of them) where an epoch's figure is NaN or
+    infinite: the weights have diverged, and are neither written nor chosen as the best."""
+    broken = [name for name, value in metrics.items() if isinstance(value, float) and not math.isfinite(value)]
+    if broken:
+        raise NonFiniteLossError(f"epoch {metrics['epoch']}: {', '.join(broken)} became {metrics[broken[0]]}: the "
+                                 "weights have diverged, so training stopped without writing them; the last "
+                                 "checkpoint written is kept. Try a smaller --lr")
+
+
+def optional_features(config: RunConfig, epochs: int, checkpoints: Checkpointer, criterion: Criterion,
                       val_loader: DataLoader) -> list[Hook]:
     """Stopping at a step on a stop signal, and the features the flags ask for, each imported only then; in the
     order they act after a step (the average first, for a checkpoint at that step to hold it)."""
     features: list[Hook] = []
-    if args.get("model_ema"):
+    if config.model_ema:
         from .ema import ModelEma  # --model-ema: a moving average of the weights, validated and saved too
 
-        features.append(ModelEma.from_args(args, checkpoints, criterion, val_loader))
-    features.append(StopAtStep.from_args(args, checkpoints, epochs))  # SIGTERM, SIGUSR1: every rank stops at one step
-    if args.get("checkpoint_every_steps") or args.get("checkpoint_every_minutes"):
+        features.append(ModelEma.from_config(config, checkpoints, criterion, val_loader))
+    features.append(StopAtStep(checkpoints, config.stop_grace, config.dist_timeout, epochs))  # SIGTERM, SIGUSR1
+    if config.checkpoint_every_steps or config.checkpoint_every_minutes:
         from .periodic_checkpoints import PeriodicCheckpoints  # checkpoints inside epochs too
 
-        features.append(PeriodicCheckpoints.from_args(args, checkpoints))
-    if args.get("freeze_layers"):
+        features.append(PeriodicCheckpoints(checkpoints, config.checkpoint_every_steps,
+                                            config.checkpoint_every_minutes, config.dist_timeout))
+    if config.freeze_layers:
         from .freezing import FrozenBody  # --freeze-layers: only the classifier trains (until --unfreeze-epoch)
 
-        features.append(FrozenBody(checkpoints.model, args.get("unfreeze_epoch")))
+        features.append(FrozenBody(checkpoints.model, config.unfreeze_epoch))
     return features

@@ -101,9 +101,9 @@ def scheduled_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> 
 
 
 def align_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -> None:
-    """Put a per-step schedule at optimizer step `step`. A run resumed with other processes or batches
-    takes another number of steps per epoch than the run that saved the schedule's step count."""
-    if scheduler.last_epoch == step or not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+    """Put a per-step schedule at optimizer step `step`, its lr computed anew: a resumed run may take another
+    number of steps per epoch (other processes or batches), and another lr or schedule (changed flags)."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         return
     scheduler.last_epoch = step
     for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,

@@ -4,7 +4,6 @@ stopped without warning (a lost machine, a kill) loses at most that much trainin
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from .checkpoint import Checkpointer
 from .distributed_utils import agree, cpu_side_group, is_main_process
@@ -16,16 +15,11 @@ class PeriodicCheckpoints(Hook):
     first step `every_minutes` after the last checkpoint, by rank 0's clock (each rank's own would disagree by
     a step now and then; the ranks agree on rank 0's answer)."""
 
-    def __init__(self, checkpoints: Checkpointer, every_steps: int | None = None, every_minutes: float | None = None,
-                 timeout_s: float = 900.0) -> None:
+    def __init__(self, checkpoints: Checkpointer, every_steps: int | None, every_minutes: float | None,
+                 timeout_s: float) -> None:
         self.checkpoints, self.every_steps = checkpoints, every_steps
         self.every_s = every_minutes * 60 if every_minutes else None
         self.group = cpu_side_group(timeout_s) if every_minutes else None
-
-    @classmethod
-    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer) -> PeriodicCheckpoints:
-        return cls(checkpoints, args.get("checkpoint_every_steps"), args.get("checkpoint_every_minutes"),
-                   args.get("dist_timeout", 900.0))
 
     def on_step_end(self, step: StepEnd) -> None:
         by_steps = bool(self.every_steps) and step.run_step % self.every_steps == 0

@@ -67,14 +67,9 @@ class StopAtStep(Hook):
     checkpoint. `grace_s` after a SIGTERM, or at once if another process of the job has failed, a rank that
     has not stopped yet stops without saving (see stop_at_the_deadline)."""
 
-    def __init__(self, checkpoints: Checkpointer, grace_s: float = 20.0, timeout_s: float = 900.0,
-                 epochs: int = 1) -> None:
+    def __init__(self, checkpoints: Checkpointer, grace_s: float, timeout_s: float, epochs: int) -> None:
         self.checkpoints, self.grace_s, self.last_epoch = checkpoints, grace_s, epochs - 1
         self.group = cpu_side_group(timeout_s)
-
-    @classmethod
-    def from_args(cls, args: dict[str, Any], checkpoints: Checkpointer, epochs: int) -> StopAtStep:
-        return cls(checkpoints, args.get("stop_grace", 20.0), args.get("dist_timeout", 900.0), epochs)
 
     def on_fit_start(self) -> None:
         # A signal before now has ended the process; one after it is this run's. Installed here, after set-up:

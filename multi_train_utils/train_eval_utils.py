@@ -9,10 +9,10 @@ them epoch after epoch. Both take the loss (the criterion) from the script that 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
+import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from .config import RunConfig
 from .confusion import class_figures, class_sums, per_class
 from .data import workers_ended
 from .distributed_utils import broadcast_buffers_from_main, is_main_process, print_main, reduce_sums, unwrap_model
@@ -64,12 +65,12 @@ class StepOptions:
     batch_transform: BatchTransform = unchanged  # each training batch, on the device: MixUp, CutMix
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, device: torch.device,
+    def from_args(cls, args: RunConfig, device: torch.device,
                   batch_transform: BatchTransform | None = None) -> StepOptions:
-        dtype = None if args.amp == "off" else autocast_dtype(args.amp, device, getattr(args, "comm_hook", "none"))
+        dtype = None if args.amp == "off" else autocast_dtype(args.amp, device, args.comm_hook)
         return cls(device.type, dtype, args.channels_last, args.accum_steps,
                    torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-                   clip_grad_norm=getattr(args, "clip_grad_norm", None), batch_transform=batch_transform or unchanged)
+                   clip_grad_norm=args.clip_grad_norm, batch_transform=batch_transform or unchanged)
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -362,8 +363,11 @@ def evaluate_only(model: nn.Module, criterion: Criterion, val_loader: DataLoader
     output, one JSON object (rank 0 alone): the numbers of the epoch that saved the weights."""
     with workers_ended(val_loader):
         result = evaluate(model, criterion, val_loader, device, options, len(class_names))
+    if not math.isfinite(result.loss):  # the same on every rank
+        raise NonFiniteLossError(f"--eval-only: the validation loss of these weights is {result.loss}: they have "
+                                 "diverged; validate an earlier epoch's weights/model-N.pth instead")
     if is_main_process():  # every class's figures, at any number of classes (a line of metrics.jsonl: up to 100)
         figures = {**result.figures(), **class_figures(result.sums, class_names),
                    "per_class": per_class(result.sums, class_names)}
-        print(json.dumps(figures), flush=True)
+        print(json.dumps(figures, allow_nan=False), flush=True)
     return result

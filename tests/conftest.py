@@ -21,6 +21,8 @@ from PIL import Image
 
 from multi_train_utils import errors
 from multi_train_utils.checkpoint import Checkpointer
+from multi_train_utils.cli import default_config
+from multi_train_utils.config import RunConfig
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.optim import build_scheduler
 from multi_train_utils.recorder import RunRecorder
@@ -135,16 +137,20 @@ def ends_of_runs_are_undone() -> Iterator[None]:
     errors.hold_back_ctrl_c(False)
 
 
+def config_in(folder: Path, **changes: object) -> RunConfig:
+    """A fresh run's configuration with default flags, writing into `folder`, with `changes`."""
+    return default_config(output_dir=str(folder), **changes)
+
+
 @contextlib.contextmanager
 def checkpointer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                 options: StepOptions | None = None, args: dict | None = None, batches: int = 4,
-                 ) -> Iterator[Checkpointer]:
+                 options: StepOptions | None = None, batches: int = 4, **changes: object) -> Iterator[Checkpointer]:
     """A Checkpointer writing into `folder`, as fit makes one: with a recorder (rank 0 of one process), a
     cosine schedule over 2 epochs, and a loader of `batches` batches of 2."""
     split = {"class_names": ["a", "b", "c"], "train": [], "val": []}
     loader = torch.utils.data.DataLoader(range(2 * batches), batch_size=2)
     scheduler = build_scheduler(optimizer, epochs=2, steps_per_epoch=batches)
-    with RunRecorder(folder, single_process("cpu"), split, {"model": "small", **(args or {})}) as recorder:
+    with RunRecorder(config_in(folder, model="small", **changes), single_process("cpu"), split) as recorder:
         yield Checkpointer(model, optimizer, scheduler, options or StepOptions(), recorder, loader)
 
 

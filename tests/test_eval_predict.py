@@ -93,7 +93,7 @@ def test_the_averaged_weights_are_saved_in_the_checkpoint_and_evaluated(trained:
     lines = metrics(out)
     best_ema = max(lines, key=lambda m: (m["ema_val_acc"], m["epoch"]))
     saved = torch.load(out / "checkpoint.pth", weights_only=True)["ema"]
-    assert saved["best"] == {"metric": "val_acc", "value": best_ema["ema_val_acc"]}
+    assert saved["best"] == {"metric": "val_acc", "value": best_ema["ema_val_acc"], "epoch": best_ema["epoch"]}
     assert saved["averaged"]["n_averaged"] > 1
     figures = eval_only(data, out, "--weights", str(out / "weights" / "best_ema.pth"))
     assert figures["val_correct"] == best_ema["ema_val_correct"]

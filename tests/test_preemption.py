@@ -33,10 +33,9 @@ from conftest import (
 )
 from multi_train_utils import preemption, shutdown
 from multi_train_utils.data import ResumableDistributedSampler, leave_signals_to_the_trainer, loader_start_method
-from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import Preempted
 from multi_train_utils.periodic_checkpoints import PeriodicCheckpoints
-from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.run_folder import write_checkpoint
 from multi_train_utils.train_eval_utils import StepEnd
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
@@ -99,7 +98,7 @@ def test_checkpoints_come_every_n_steps_or_m_minutes(tmp_path: Path, monkeypatch
     with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run", batches=6) as saver:
         saved: list[tuple[int, int]] = []
         monkeypatch.setattr(saver, "save_at", lambda step: saved.append((step.epoch, step.step)))
-        by_steps = PeriodicCheckpoints(saver, every_steps=4)
+        by_steps = PeriodicCheckpoints(saver, every_steps=4, every_minutes=None, timeout_s=60)
         for epoch in (0, 1):
             for step in range(1, 7):
                 by_steps.on_step_end(step_end(epoch, step))
@@ -109,7 +108,7 @@ def test_checkpoints_come_every_n_steps_or_m_minutes(tmp_path: Path, monkeypatch
         saved.clear()
         clock = [saver.saved_at]
         monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-        by_time = PeriodicCheckpoints(saver, every_minutes=0.5)
+        by_time = PeriodicCheckpoints(saver, every_steps=None, every_minutes=0.5, timeout_s=60)
         clock[0] += 29
         by_time.on_step_end(step_end(0, 1))
         clock[0] += 2
@@ -122,7 +121,7 @@ def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once
     model = nn.Linear(2, 2)
     shutdown.listen_for_stop_signals()
     with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run") as saver:
-        stop = preemption.StopAtStep(saver, grace_s=0.5, epochs=2)
+        stop = preemption.StopAtStep(saver, grace_s=0.5, timeout_s=60, epochs=2)
         stop.on_fit_start()
         try:
             os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's early warning: no deadline yet
@@ -144,15 +143,12 @@ def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once
 
 @pytest.mark.parametrize("keep", [1, 3])
 def test_keep_checkpoints_keeps_the_newest_k(tmp_path: Path, keep: int) -> None:
-    split = {"class_names": ["a", "b"], "train": [], "val": []}
     positions = [(0, 2), (0, 4), (0, None), (1, 2), (1, 4)]  # (epoch, step); None: the end of the epoch
-    with RunRecorder(tmp_path, single_process("cpu"), split, {"keep_checkpoints": keep}) as recorder:
-        for epoch, step in positions:
-            progress = {"epoch": epoch, "step": step} if step else None
-            recorder.write_checkpoint({"model": {}, "epoch": epoch if progress is None else epoch - 1,
-                                       "progress": progress},
-                                      f"epoch-{epoch}-end" if step is None else f"epoch-{epoch}-step-{step}")
-            time.sleep(0.01)  # distinct modification times, by which the oldest go first
+    for epoch, step in positions:
+        progress = {"epoch": epoch, "step": step} if step else None
+        write_checkpoint(tmp_path, {"model": {}, "epoch": epoch if progress is None else epoch - 1,
+                                    "progress": progress}, keep)
+        time.sleep(0.01)  # distinct modification times, by which the oldest go first
     newest = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
     assert newest["progress"] == {"epoch": 1, "step": 4}
     kept = sorted(path.name for path in (tmp_path / "checkpoints").glob("*")) if keep > 1 else []

@@ -16,12 +16,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import train_single_gpu
-from conftest import TINY_FLAGS, make_image_folder
+from conftest import TINY_FLAGS, config_in, make_image_folder
 from multi_train_utils import checkpoint
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import DistContext, single_process
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.recorder import STEP_LOG_EVERY, RunRecorder, SavedRun, claim_folder
+from multi_train_utils.recorder import STEP_LOG_EVERY, RunRecorder
+from multi_train_utils.run_folder import SavedRun, claim_folder
 from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, StepEnd
 
 SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
@@ -72,7 +73,7 @@ def record(recorder: RunRecorder, epochs: range, first_batch: torch.Tensor | Non
 
 
 def test_events_hold_every_scalar_at_its_step_the_batch_grid_and_the_args(tmp_path: Path) -> None:
-    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {"lr": 0.01, "model": "resnet18"}) as recorder:
+    with RunRecorder(config_in(tmp_path, lr=0.01, model="resnet18"), single_process("cpu"), SPLIT) as recorder:
         record(recorder, range(3), normalised_batch([(255, 0, 0), (0, 255, 0), (0, 0, 255)]))
     events = read_events(tmp_path)
     assert set(SCALARS) <= set(events.Tags()["scalars"]), "every float of the metrics: no list to edit"
@@ -96,10 +97,10 @@ def test_events_hold_every_scalar_at_its_step_the_batch_grid_and_the_args(tmp_pa
 def test_a_resumed_run_keeps_the_curves_up_to_its_checkpoint_and_drops_the_rest(tmp_path: Path) -> None:
     """Killed at step 47, resumed from the checkpoint of step 30 (epoch 1, step 10): the points up to step 30
     stay, those the killed run drew after it go, and the resumed run draws on from step 31."""
-    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}) as killed:
+    with RunRecorder(config_in(tmp_path), single_process("cpu"), SPLIT) as killed:
         record(killed, range(3), stop_at=47)
     saved = SavedRun(str(tmp_path / "checkpoint.pth"), {"epoch": 0, "progress": {"epoch": 1, "step": 10}})
-    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}, saved) as resumed:
+    with RunRecorder(config_in(tmp_path), single_process("cpu"), SPLIT, saved) as resumed:
         for step in range(11, STEPS_PER_EPOCH + 1):
             resumed.on_step_end(step_end(1, step))
         resumed.end_epoch(nn.Linear(2, 3), epoch_metrics(1), None, improved=False, run_step=40)
@@ -111,9 +112,8 @@ def test_a_resumed_run_keeps_the_curves_up_to_its_checkpoint_and_drops_the_rest(
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
     rank1 = DistContext(rank=1, local_rank=1, world_size=2, local_world_size=2, device=torch.device("cpu"),
                         distributed=True)
-    with RunRecorder(tmp_path / "run", rank1, SPLIT, {}) as recorder:
+    with RunRecorder(config_in(tmp_path / "run"), rank1, SPLIT) as recorder:
         record(recorder, range(1), normalised_batch([(255, 0, 0)]))
-        recorder.write_checkpoint({"model": {}, "epoch": 0}, "epoch-0-end")
     assert not (tmp_path / "run").exists()
 
 
@@ -134,19 +134,17 @@ def test_a_real_run_shows_every_scalar_per_epoch_and_its_first_batch(image_folde
 def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path) -> None:
     """--save-every 2 --keep-epoch-weights false: the checkpoint after epochs 1, 3 and the last (4),
     best.pth when the accuracy improved, and no model-{epoch}.pth."""
-    args = {"save_every": 2, "keep_epoch_weights": False}
-    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, args) as recorder:
+    with RunRecorder(config_in(tmp_path, save_every=2, keep_epoch_weights=False), single_process("cpu"),
+                     SPLIT) as recorder:
         due = [epoch for epoch in range(5) if recorder.checkpoint_due(epoch, last_epoch=4)]
         for epoch in range(5):
             recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), None, improved=epoch == 1, run_step=epoch)
-        recorder.write_checkpoint({"model": {}, "epoch": due[-1]}, "epoch-4-end")
     assert due == [1, 3, 4]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["best.pth"]
-    assert torch.load(tmp_path / "checkpoint.pth", weights_only=True)["epoch"] == 4
 
 
 def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Path) -> None:
-    with RunRecorder(tmp_path, single_process("cpu"), SPLIT, {}) as recorder:
+    with RunRecorder(config_in(tmp_path), single_process("cpu"), SPLIT) as recorder:
         assert all(recorder.checkpoint_due(epoch, last_epoch=9) for epoch in range(10))
         recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), None, improved=False, run_step=1)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["model-0.pth"]
@@ -154,7 +152,7 @@ def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Pat
 
 def test_the_tensorboard_hint_quotes_a_path_with_spaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "my runs" / "run 1"
-    with RunRecorder(out, single_process("cpu"), SPLIT, {}):
+    with RunRecorder(config_in(out), single_process("cpu"), SPLIT):
         pass
     assert f"tensorboard --logdir '{out}'" in capsys.readouterr().out
 
@@ -179,7 +177,7 @@ def test_many_classes_keep_each_line_small_and_the_picture_bounded(tmp_path: Pat
         assert "confusion" not in sums and figures == {}, "per-class counts only: 21,841 squared counts is 3.8 GB"
         return
     assert figures["most_confused"][0] == {"true": "class_00003", "predicted": "class_00007", "count": 40}
-    with RunRecorder(tmp_path, single_process("cpu"), {"class_names": names}, {}) as recorder:
+    with RunRecorder(config_in(tmp_path), single_process("cpu"), {"class_names": names}) as recorder:
         recorder.end_epoch(nn.Linear(2, 3), {**epoch_metrics(0), **figures}, sums["confusion"], improved=False,
                            run_step=1)
     saved = torch.load(tmp_path / "confusion.pt", weights_only=True)

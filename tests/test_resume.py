@@ -26,7 +26,7 @@ from conftest import (
     torchrun,
     write_image,
 )
-from multi_train_utils import checkpoint, errors, files, shutdown
+from multi_train_utils import checkpoint, errors, files, run_folder, shutdown
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
 
@@ -77,7 +77,7 @@ def test_a_run_stopped_after_an_epoch_and_resumed_ends_with_the_same_weights(
     assert [m["epoch"] for m in lines] == [0, 1, 2]
     capsys.readouterr()
     train(data, tmp_path / "broken", "--resume", "auto")  # once more: the run has finished
-    assert "Nothing to train: the run has finished all 3 epochs" in capsys.readouterr().out
+    assert "Nothing to train: the run has finished all its 3 epochs" in capsys.readouterr().out
 
 
 def test_a_fresh_run_refuses_to_overwrite_a_run(data: Path, tmp_path: Path) -> None:
@@ -91,22 +91,30 @@ def test_a_fresh_run_refuses_to_overwrite_a_run(data: Path, tmp_path: Path) -> N
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("mismatch", ["model", "classes"])
+@pytest.mark.parametrize("mismatch", ["model", "model of a checkpoint without its flags", "classes"])
 def test_a_checkpoint_of_another_model_or_class_count_is_a_clear_error(data: Path, tmp_path: Path,
                                                                        mismatch: str) -> None:
     train(data, tmp_path / "first", "--epochs", "1")
+    saved = tmp_path / "first" / "checkpoint.pth"
+    if mismatch.endswith("without its flags"):  # an older or hand-made layout: only the weights can tell
+        torch.save({key: value for key, value in torch.load(saved, weights_only=True).items() if key != "args"},
+                   saved)
     other_data = make_image_folder(tmp_path / "two_classes", {"a": 10, "b": 10})
-    flags = (["--model", "resnet34", "--data-path", str(data)] if mismatch == "model"
+    flags = (["--model", "resnet34", "--data-path", str(data)] if mismatch.startswith("model")
              else ["--data-path", str(other_data)])
     result = run_single_in_this_process(["--output-dir", str(tmp_path / "second"), *RESUME_FLAGS, *flags,
-                                         "--resume", str(tmp_path / "first" / "checkpoint.pth")])
+                                         "--resume", str(saved)])
     assert result.returncode == 2
-    expected = (f"error: --resume {tmp_path / 'first' / 'checkpoint.pth'}: saved from --model resnet18"
-                if mismatch == "model" else f"error: --data-path {other_data}: the classes differ from the run's")
+    expected = {"model": "error: --model resnet34: the run trained with --model resnet18, and a run keeps it",
+                "classes": f"error: --data-path {other_data}: the classes differ from the run's"
+                }.get(mismatch, f"error: --resume {saved}: saved from another model, or for other classes, than "
+                                "--model resnet34 here")
     assert result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    if mismatch == "model":  # which tensors do not fit, not PyTorch's page of them
+    if mismatch.endswith("without its flags"):  # which tensors do not fit, not PyTorch's page of them
         assert "tensor(s) missing, such as" in result.stderr and "Error(s)" not in result.stderr
+    else:  # refused before anything is written
+        assert not (tmp_path / "second").exists()
 
 
 def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
@@ -114,25 +122,25 @@ def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match=r"not a checkpoint of this project .*--weights instead"):
         checkpoint.read_checkpoint(tmp_path / "plain.pth")
     with pytest.raises(UserInputError, match=r"--resume .*nothing\.pth: no such file"):
-        checkpoint.read_checkpoint(checkpoint.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
-    assert checkpoint.checkpoint_to_resume("auto", tmp_path / "empty") is None
+        checkpoint.read_checkpoint(run_folder.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
+    assert run_folder.checkpoint_to_resume("auto", tmp_path / "empty") is None
 
 
 def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "start.pth").write_bytes(b"the checkpoint the job was started from")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert checkpoint.checkpoint_to_resume(None, tmp_path) is None  # died before its first checkpoint
-    assert checkpoint.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "start.pth"
+    assert run_folder.checkpoint_to_resume(None, tmp_path) is None  # died before its first checkpoint
+    assert run_folder.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "start.pth"
     (tmp_path / "checkpoint.pth").write_bytes(b"written by the attempt that died")
-    assert checkpoint.checkpoint_to_resume(None, tmp_path) == tmp_path / "checkpoint.pth"
-    assert checkpoint.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "checkpoint.pth"
+    assert run_folder.checkpoint_to_resume(None, tmp_path) == tmp_path / "checkpoint.pth"
+    assert run_folder.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "checkpoint.pth"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with pytest.raises(UserInputError, match="holds a run already"):
-        checkpoint.checkpoint_to_resume(None, tmp_path)
+        run_folder.checkpoint_to_resume(None, tmp_path)
 
 
-def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Path,
+def test_resuming_on_another_world_size_follows_the_lr_of_its_batch(data: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from model import create_model
     from multi_train_utils.optim import build_optimizer
@@ -146,13 +154,16 @@ def test_resuming_on_another_world_size_rescales_the_lr(data: Path, tmp_path: Pa
     monkeypatch.setattr(checkpoint, "get_world_size", lambda: 4)
     with checkpointer(model, build_optimizer(model, lr=0.002 * 4), tmp_path / "four") as four:
         assert four.resume(saved) == 2 and four.best.value == pytest.approx(saved.state["best"]["value"])
+        four.on_epoch_start(2)  # both schedules are at their end
     assert four.optimizer.param_groups[0]["lr"] == pytest.approx(4 * saved_lr)
     assert four.scheduler.base_lrs == [pytest.approx(0.008)] * 2
     # The same for a larger optimizer step made of accumulated batches: 2 processes x 3 batches = 6 x 0.002.
     monkeypatch.setattr(checkpoint, "get_world_size", lambda: 2)
     with checkpointer(model, build_optimizer(model, lr=0.002 * 6), tmp_path / "two", StepOptions(accum_steps=3)) as two:
         two.resume(saved)
-    assert two.optimizer.param_groups[0]["lr"] == pytest.approx(6 * saved_lr)
+        two.on_epoch_start(2)
+    step = 2 * two.steps_per_epoch
+    assert two.optimizer.param_groups[0]["lr"] == pytest.approx(0.012 * two.scheduler.lr_lambdas[0](step))
     assert two.scheduler.base_lrs == [pytest.approx(0.012)] * 2
     monkeypatch.undo()
     train(data, tmp_path / "run", "--epochs", "3", "--resume", "auto")  # the torn line is dropped, not a crash

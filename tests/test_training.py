@@ -105,7 +105,7 @@ def test_the_two_multi_process_scripts_differ_only_in_how_they_start() -> None:
     changed = [line for line in difflib.unified_diff(launch, spawn, lineterm="", n=0)
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     assert len(changed) <= 20, "\n".join(changed)
-    train = slice(launch.index("def train(args: argparse.Namespace, ctx: DistContext) -> None:"), None)
+    train = slice(launch.index("def train(args: RunConfig, ctx: DistContext) -> None:"), None)
     assert launch[train][:-3] == spawn[spawn.index(launch[train][0]):][:-3], "train() must be the same"
 
 
