@@ -11,9 +11,9 @@ Each module has one concern, named for it:
                      wrapper), spawn_utils (around the spawn script's mp.spawn), shutdown (how every process of
                      a job ends together)
   data               data (samplers, loaders, the loader's worker processes)
-  a run's files      run_folder (which file is where, the folder's lock, one run per folder, rewinds),
-                     checkpoint (what resumes a run, what "best" means), recorder (what a run writes: metrics,
-                     weights, TensorBoard), files (writes never left half done, loads that name the file),
+  a run's files      recorder (the run's folder: which file is where, its lock, one run per folder, rewinds; and
+                     what a run writes: metrics, weights, TensorBoard), checkpoint (what resumes a run, what
+                     "best" means), files (writes never left half done, loads that name the file),
                      confusion and pictures (what validation counts and draws)
   flags              config (what a run is: every flag as one value, and what a resume does with each), cli (the
                      command line); errors (the ways a run ends early, in one line)

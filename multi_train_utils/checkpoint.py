@@ -1,6 +1,6 @@
 """Checkpoints that let a stopped run continue exactly where it was: what they hold, reading the one to resume,
 and where inside an epoch training stands (a checkpoint may be written after any optimizer step). Which file
-is where is run_folder.py's; what each flag does on resume, config.py's."""
+is where is recorder.py's; what each flag does on resume, config.py's."""
 
 from __future__ import annotations
 
@@ -32,11 +32,12 @@ from .distributed_utils import (
 from .errors import UserInputError, report
 from .files import load_file, megabytes, to_cpu
 from .optim import align_schedule, scheduled_lr
-from .recorder import RunRecorder, model_weights
-from .run_folder import (
+from .recorder import (
     LOCK_NAME,
+    RunRecorder,
     SavedRun,
     checkpoint_to_resume,
+    model_weights,
     newest_readable,
     refuse_a_folder_in_use,
     rewinds_here,
@@ -132,10 +133,8 @@ def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> SavedRun:
     with contextlib.suppress(OSError), open(output_dir / LOCK_NAME) as lock:  # no lock file: no run in it
         refuse_a_folder_in_use(output_dir, lock)  # before anything else
     path = checkpoint_to_resume(resume_flag, output_dir)
-    if path is None:
-        return SavedRun()
-    checkpoint = read_checkpoint(path)
-    return SavedRun(str(path), checkpoint, rewinds=rewinds_here(path, checkpoint, output_dir))
+    checkpoint = read_checkpoint(path) if path else None
+    return SavedRun(str(path), checkpoint, rewinds_here(path, checkpoint, output_dir)) if path else SavedRun()
 
 
 def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:

@@ -16,12 +16,12 @@ from typing import Any, Literal, NoReturn
 from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS
-from .config import RunConfig, bound_change, field_names, saved_values
+from .config import RunConfig, bound_change, saved_values
 from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
 from .errors import UserInputError, path_kind
 from .files import check_readable_file
 from .optim import OPTIMIZERS, SCHEDULES
-from .run_folder import trained_flags
+from .recorder import trained_flags
 from .shutdown import ends_in_one_line
 from .train_eval_utils import AMP_CHOICES
 
@@ -257,45 +257,33 @@ SPAWN_FLAGS = {"--world-size": dict(type=at_least(1), default=None, help="number
 # says the same, and is what we read.
 LAUNCH_FLAGS = {"--local-rank --local_rank": dict(type=int, default=None, help=argparse.SUPPRESS)}
 FLAGS_OF = {"single": (FLAGS,), "launch": (FLAGS, MULTI_PROCESS_FLAGS, LAUNCH_FLAGS),
-            "spawn": (FLAGS, MULTI_PROCESS_FLAGS, SPAWN_FLAGS)}
-
-
-def get_args_parser(launcher: Launcher, add_help: bool = True) -> argparse.ArgumentParser:
-    """The flags of one script; multi-process flags only where they apply. A flag spelt with _ (the tutorial's
-    --num_classes) also takes - (--num-classes), as config.flag_name writes it."""
-    parser = OneLineErrorParser(add_help=add_help, formatter_class=DefaultsOnceFormatter)
-    for flags in FLAGS_OF[launcher]:
-        for names, options in flags.items():
-            aliases = [name.replace("_", "-") for name in names.split()]
-            parser.add_argument(*dict.fromkeys(names.split() + aliases), **options)
-    return parser
-
-
+            "spawn": (FLAGS, MULTI_PROCESS_FLAGS, SPAWN_FLAGS),
+            "every": (FLAGS, MULTI_PROCESS_FLAGS, SPAWN_FLAGS, LAUNCH_FLAGS)}  # every field of a RunConfig
 NOT_GIVEN = object()
 
 
-def given_flags(launcher: Launcher, argv: Sequence[str] | None) -> set[str]:
-    """The flags on the command line, by field name; one given its default value is given all the same."""
-    probe = get_args_parser(launcher, add_help=False)
-    probe.set_defaults(**dict.fromkeys(field_names(), NOT_GIVEN))
-    return {name for name, value in vars(probe.parse_args(argv)).items() if value is not NOT_GIVEN}
-
-
-def flag_defaults() -> dict[str, Any]:
-    """Every flag's default, by field name, those of the other scripts' flags included."""
-    return {names.split()[0][2:].replace("-", "_"): options["default"]  # the field: argparse's rule
-            for flags in (FLAGS, MULTI_PROCESS_FLAGS, SPAWN_FLAGS, LAUNCH_FLAGS) for names, options in flags.items()}
+def get_args_parser(launcher: Launcher | Literal["every"], add_help: bool = True,
+                    defaults: bool = True) -> argparse.ArgumentParser:
+    """The flags of one script, multi-process flags only where they apply; without `defaults`, each is NOT_GIVEN
+    unless given."""
+    parser = OneLineErrorParser(add_help=add_help, formatter_class=DefaultsOnceFormatter)
+    for flags in FLAGS_OF[launcher]:
+        for names, options in flags.items():
+            parser.add_argument(*names.split(), **(options if defaults else {**options, "default": NOT_GIVEN}))
+    return parser
 
 
 def parse_args(launcher: Launcher, argv: Sequence[str] | None = None) -> RunConfig:
     """The run's configuration: the flags given; for a resumed (or validated) run, the saved run's values of the
     others (config.saved_values); then the defaults, some of which depend on whether the demo data is used."""
-    values = flag_defaults() | vars(get_args_parser(launcher).parse_args(argv))
-    given = given_flags(launcher, argv)
+    values = vars(get_args_parser("every").parse_args([])) | vars(get_args_parser(launcher).parse_args(argv))
+    probe = get_args_parser(launcher, add_help=False, defaults=False)  # one given its default is given all the same
+    given = {name for name, value in vars(probe.parse_args(argv)).items() if value is not NOT_GIVEN}
     if values["eval_only"]:
         values["resume"] = values["resume"] or "auto"  # the run's own split, found through its checkpoint
     saved = trained_flags(values["resume"], values["output_dir"])
-    values = saved_values(values, saved, given)
+    if saved:
+        values = saved_values(values, saved, given)
     defaults = {"model": DEFAULT_MODEL, **(DATA_DEFAULTS if values["data_path"] else DEMO_DEFAULTS)}
     values |= {name: default for name, default in defaults.items() if values[name] is None}
     if values["eval_only"] and "weights" not in given:  # the run's best weights

@@ -137,8 +137,8 @@ def rule_of(name: str) -> tuple[str, str]:
 
 
 def flag_name(name: str) -> str:
-    """The flag of the field `name`, as the command line takes it (cli also takes --num-classes)."""
-    return "--" + name.replace("_", "-")
+    """The flag of the field `name`: its words joined by -, but for the tutorial's --num_classes."""
+    return f"--{name}" if name == "num_classes" else "--" + name.replace("_", "-")
 
 
 def shown(value: Any) -> str:

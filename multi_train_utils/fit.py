@@ -47,8 +47,7 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
         hooks = Hooks([checkpoints, *features, run, *hooks])
         checkpoints.hooks = hooks
     if start_epoch >= epochs:
-        done = f"all its {epochs}" if start_epoch == epochs else f"{start_epoch}, more than --epochs {epochs},"
-        print_main(f"Nothing to train: the run has finished {done} epochs (a larger --epochs trains on)")
+        print_main(f"Nothing to train: {start_epoch} epoch(s) trained already; a larger --epochs than {epochs} goes on")
     result = None
     with hooks.running(), workers_ended(train_loader, val_loader):
         for epoch in range(start_epoch, epochs):

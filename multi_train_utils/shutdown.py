@@ -45,7 +45,7 @@ from .errors import (
     one_line,
     report,
 )
-from .run_folder import CHECKPOINT_NAME
+from .recorder import CHECKPOINT_NAME
 from .versions import default_store, has_default_store
 
 # How long a failing process asks the process group's key-value store before it gives up on it (not the

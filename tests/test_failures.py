@@ -32,7 +32,7 @@ from conftest import (
 )
 from multi_train_utils.cli import parse_args, run_cli
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.run_folder import claim_folder
+from multi_train_utils.recorder import claim_folder
 
 SCRIPTS = {"single": [python(), str(REPO / "train_single_gpu.py")],
            "torchrun": [*torchrun(), "--standalone", "--nproc_per_node=2",

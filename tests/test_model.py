@@ -11,7 +11,7 @@ from torch import nn
 
 import model
 from model import check_model_input, create_model, load_weights
-from multi_train_utils import checkpoint, run_folder
+from multi_train_utils import checkpoint, recorder
 from multi_train_utils.distributed_utils import DistContext, normalised_batch
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.freezing import FrozenBody, classifier_of
@@ -158,7 +158,7 @@ def test_files_of_the_wrong_kind_are_named_in_our_own_words(tmp_path: Path, make
         if flag == "--weights":
             load_weights(create_model("resnet18", 3), str(path), "resnet18")
         else:
-            checkpoint.read_checkpoint(run_folder.checkpoint_to_resume(str(path), tmp_path))
+            checkpoint.read_checkpoint(recorder.checkpoint_to_resume(str(path), tmp_path))
 
 
 @pytest.mark.parametrize(("model", "image_size", "batch_size", "flag"), [

@@ -35,7 +35,7 @@ from multi_train_utils import preemption, shutdown
 from multi_train_utils.data import ResumableDistributedSampler, leave_signals_to_the_trainer, loader_start_method
 from multi_train_utils.errors import Preempted
 from multi_train_utils.periodic_checkpoints import PeriodicCheckpoints
-from multi_train_utils.run_folder import write_checkpoint
+from multi_train_utils.recorder import write_checkpoint
 from multi_train_utils.train_eval_utils import StepEnd
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
@@ -318,7 +318,7 @@ def test_a_usr1_to_spawn_checkpoints_its_step_and_three_processes_train_every_re
     resumed = resume([*SCRIPTS["spawn"][:-1], "3"], data, out, saved,
                      env=script_env(PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}",
                                     RECORD_SAMPLES=str(record)), processes=3)
-    assert "Resuming with 3 processes instead of 2" in resumed and "The lr is scaled by 3/2" in resumed
+    assert "Resuming with 3 processes instead of 2" in resumed and "the lr follows the batch of one step" in resumed
     train = {str(data / path) for path in json.loads((out / "split.json").read_text())["train"]}
     # One file per process of either run; the validation images they loaded are left out.
     trained = [path for log in record.glob("*") for path in log.read_text().splitlines() if path in train]

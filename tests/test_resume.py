@@ -26,7 +26,7 @@ from conftest import (
     torchrun,
     write_image,
 )
-from multi_train_utils import checkpoint, errors, files, run_folder, shutdown
+from multi_train_utils import checkpoint, errors, files, recorder, shutdown
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
 
@@ -77,7 +77,7 @@ def test_a_run_stopped_after_an_epoch_and_resumed_ends_with_the_same_weights(
     assert [m["epoch"] for m in lines] == [0, 1, 2]
     capsys.readouterr()
     train(data, tmp_path / "broken", "--resume", "auto")  # once more: the run has finished
-    assert "Nothing to train: the run has finished all its 3 epochs" in capsys.readouterr().out
+    assert "Nothing to train: 3 epoch(s) trained already; a larger --epochs than 3 goes on" in capsys.readouterr().out
 
 
 def test_a_fresh_run_refuses_to_overwrite_a_run(data: Path, tmp_path: Path) -> None:
@@ -122,22 +122,22 @@ def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match=r"not a checkpoint of this project .*--weights instead"):
         checkpoint.read_checkpoint(tmp_path / "plain.pth")
     with pytest.raises(UserInputError, match=r"--resume .*nothing\.pth: no such file"):
-        checkpoint.read_checkpoint(run_folder.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
-    assert run_folder.checkpoint_to_resume("auto", tmp_path / "empty") is None
+        checkpoint.read_checkpoint(recorder.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
+    assert recorder.checkpoint_to_resume("auto", tmp_path / "empty") is None
 
 
 def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "start.pth").write_bytes(b"the checkpoint the job was started from")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert run_folder.checkpoint_to_resume(None, tmp_path) is None  # died before its first checkpoint
-    assert run_folder.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "start.pth"
+    assert recorder.checkpoint_to_resume(None, tmp_path) is None  # died before its first checkpoint
+    assert recorder.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "start.pth"
     (tmp_path / "checkpoint.pth").write_bytes(b"written by the attempt that died")
-    assert run_folder.checkpoint_to_resume(None, tmp_path) == tmp_path / "checkpoint.pth"
-    assert run_folder.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "checkpoint.pth"
+    assert recorder.checkpoint_to_resume(None, tmp_path) == tmp_path / "checkpoint.pth"
+    assert recorder.checkpoint_to_resume(str(tmp_path / "start.pth"), tmp_path) == tmp_path / "checkpoint.pth"
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     with pytest.raises(UserInputError, match="holds a run already"):
-        run_folder.checkpoint_to_resume(None, tmp_path)
+        recorder.checkpoint_to_resume(None, tmp_path)
 
 
 def test_resuming_on_another_world_size_follows_the_lr_of_its_batch(data: Path, tmp_path: Path,

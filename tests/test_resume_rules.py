@@ -19,7 +19,7 @@ import plot_runs
 import predict
 import train_single_gpu
 from conftest import TINY_FLAGS, make_image_folder, run_single_in_this_process
-from multi_train_utils.cli import parse_args
+from multi_train_utils.cli import get_args_parser, parse_args
 from multi_train_utils.config import (
     APPLIED,
     BOUND,
@@ -72,9 +72,12 @@ def saved_run(tmp_path: Path, name: str) -> tuple[Path, dict]:
     return path, flags
 
 
-def test_every_flag_has_its_rule_and_a_case_here() -> None:
+def test_every_flag_has_its_rule_its_name_and_a_case_here() -> None:
     assert set(CHANGED) == set(field_names())
     assert {rule_of(name)[0] for name in field_names()} == {BOUND, APPLIED, THIS_COMMAND}
+    parser = get_args_parser("every")
+    assert {action.dest: action.option_strings[0] for action in parser._actions if action.dest != "help"} == {
+        name: flag_name(name) for name in field_names()}
 
 
 @pytest.mark.parametrize("name", field_names())
@@ -177,7 +180,8 @@ def test_the_same_command_again_changes_nothing_and_says_nothing(two_epochs: Pat
     out = copy_of(two_epochs, tmp_path)
     train(data, out, "--resume", "auto")
     said = capsys.readouterr().out
-    assert "Changed on resume" not in said and "Nothing to train: the run has finished all its 2 epochs" in said
+    assert "Changed on resume" not in said
+    assert "Nothing to train: 2 epoch(s) trained already; a larger --epochs than 2 goes on" in said
 
 
 def data_of(run: Path) -> Path:
@@ -297,7 +301,7 @@ def test_a_resume_finds_the_runs_data_and_says_what_is_there_to_train(two_epochs
     resume(out, "--epochs", "1")
     said = capsys.readouterr().out
     assert "built-in demo data" not in said and f"{data_of(out)}: 3 classes" in said
-    assert "Nothing to train: the run has finished 2, more than --epochs 1, epochs" in said
+    assert "Nothing to train: 2 epoch(s) trained already; a larger --epochs than 1 goes on" in said
     result = run_single_in_this_process(["--output-dir", str(out), "--eval-only"])
     assert result.returncode == 0 and "built-in demo data" not in result.stdout
 
