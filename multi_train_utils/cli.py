@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS
 from .config import RunConfig, bound_change, saved_values
-from .distributed_utils import COMM_HOOKS, detect_launch, usable_cpus
+from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S, detect_launch, usable_cpus
 from .errors import UserInputError, path_kind
 from .files import check_readable_file
 from .optim import OPTIMIZERS, SCHEDULES
@@ -248,7 +248,7 @@ MULTI_PROCESS_FLAGS = {
                         "bytes per all-reduce)"),
     "--dist-url": dict(default="env://", help="how processes find each other: env:// reads MASTER_ADDR/PORT, or "
                        "tcp://HOST:PORT, file://PATH"),
-    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6), default=900.0, help="seconds a collective may "
+    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6), default=DIST_TIMEOUT_S, help="seconds a collective may "
                            "wait for the other processes before the job fails"),
 }
 SPAWN_FLAGS = {"--world-size": dict(type=at_least(1), default=None, help="number of processes to start (default: "

@@ -42,6 +42,7 @@ SLURM_PORT_RANGE = 10000
 # The flag that sets how many processes run on one machine, by launcher: what a user must change.
 PROCESSES_PER_MACHINE_FLAG = {"torchrun": "--nproc_per_node", "slurm": "--ntasks-per-node", "spawn": "--world-size"}
 COMM_HOOKS = ("none", "bf16", "fp16")
+DIST_TIMEOUT_S = 900.0  # how long a collective waits for the other processes: --dist-timeout's default
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,7 @@ def tcp_store_uses_libuv() -> bool:
     return sys.platform != "win32"
 
 
-def init_distributed_mode(device: str | None = None, dist_url: str = "env://", timeout_s: float = 900.0,
+def init_distributed_mode(device: str | None = None, dist_url: str = "env://", timeout_s: float = DIST_TIMEOUT_S,
                           spawn_rank: int | None = None, spawn_world_size: int | None = None) -> DistContext:
     """Join the process group of whatever launcher started this process (also a group of one, so that
     `torchrun --nproc_per_node=1` runs the same DDP code as eight processes); plain python: one process."""
@@ -540,7 +541,7 @@ def reduce_value(value: torch.Tensor, average: bool = True) -> torch.Tensor:
     return value
 
 
-def cpu_side_group(timeout_s: float = 900.0) -> dist.ProcessGroup | None:
+def cpu_side_group(timeout_s: float) -> dist.ProcessGroup | None:
     """A gloo group beside NCCL's for the decisions taken on the host every step, which then never wait for the GPU;
     None (the default group) without NCCL. Every rank must make it, in the same order."""
     if not is_dist_avail_and_initialized() or dist.get_backend() == "gloo":

@@ -145,7 +145,7 @@ def stop_signals_passed_on() -> Iterator[StopSignalPasser]:
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
-def wait_for_all(context: mp.ProcessContext, passer: StopSignalPasser, stop_grace_s: float = 20.0) -> None:
+def wait_for_all(context: mp.ProcessContext, passer: StopSignalPasser, stop_grace_s: float) -> None:
     """Wait until every process has ended; no process outlives this launcher. When one fails, mp's join()
     stops the others (SIGTERM once they had STOP_GRACE_S to notice on their own, SIGKILL STOP_GRACE_S later),
     and the job exits with the code that says why. After a stop signal (passed on: the processes then stop
