@@ -248,8 +248,8 @@ MULTI_PROCESS_FLAGS = {
                         "bytes per all-reduce)"),
     "--dist-url": dict(default="env://", help="how processes find each other: env:// reads MASTER_ADDR/PORT, or "
                        "tcp://HOST:PORT, file://PATH"),
-    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6), default=DIST_TIMEOUT_S, help="seconds a collective may "
-                           "wait for the other processes before the job fails"),
+    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6), default=DIST_TIMEOUT_S, help="seconds a "
+                           "collective may wait for the other processes before the job fails"),
 }
 SPAWN_FLAGS = {"--world-size": dict(type=at_least(1), default=None, help="number of processes to start (default: "
                                     "one per visible GPU, or 2 on CPU)")}
