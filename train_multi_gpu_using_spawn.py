@@ -19,13 +19,12 @@ from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import (
     DistContext,
+    batchnorm_batch_size,
     cleanup,
     init_distributed_mode,
-    normalised_batch,
     print_main,
     wrap_ddp,
 )
-from multi_train_utils.fit import fit
 from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
 from multi_train_utils.shutdown import ends_in_one_line
@@ -35,7 +34,8 @@ from multi_train_utils.spawn_utils import (
     stop_signals_passed_on,
     wait_for_all,
 )
-from multi_train_utils.train_eval_utils import StepOptions, evaluate_only
+from multi_train_utils.step_options import StepOptions
+from multi_train_utils.train_eval_utils import evaluate_only, fit
 from my_dataset import batch_transform, build_datasets
 from utils import read_data
 
@@ -67,7 +67,7 @@ def train(args: RunConfig, ctx: DistContext) -> None:
     train_loader, val_loader = build_loaders(train_set, val_set, args.batch_size, ctx, args.workers, args.seed)
     # Checked first: BatchNorm normalises this process's batch (with --syncBN on GPUs, every process's).
     model = build_model(args.model, data.num_classes, args.weights, strict=args.eval_only,
-                        trains_on=(normalised_batch(args.batch_size, ctx, args.syncBN), args.image_size))
+                        trains_on=(batchnorm_batch_size(args.batch_size, ctx, args.syncBN), args.image_size))
     mixing = batch_transform(args.mixup_alpha, args.cutmix_alpha, data.num_classes)  # MixUp, CutMix or None
     options = StepOptions.from_args(args, ctx.device, mixing)  # --amp, --channels-last, --accum-steps, ...
     model = model.to(ctx.device, memory_format=options.memory_format)

@@ -46,12 +46,12 @@ from bench.loader_benchmark import loader_benchmark
 from model import build_model
 from multi_train_utils.cli import OneLineErrorParser, at_least, default_config, positive_float, str2bool
 from multi_train_utils.data import build_loaders
+from multi_train_utils.devices import cpu_share
 from multi_train_utils.distributed_utils import (
     COMM_HOOKS,
     DistContext,
     barrier,
     cleanup,
-    cpu_threads_per_process,
     init_distributed_mode,
     single_process,
     wrap_ddp,
@@ -59,7 +59,8 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.optim import build_optimizer
 from multi_train_utils.spawn_utils import meeting_on_a_free_port
-from multi_train_utils.train_eval_utils import AMP_CHOICES, StepOptions, train_one_epoch
+from multi_train_utils.step_options import AMP_CHOICES, StepOptions
+from multi_train_utils.train_eval_utils import train_one_epoch
 from my_dataset import build_datasets
 from utils import ensure_demo_data, read_data
 
@@ -178,7 +179,7 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
     if args.mode == "single":
         ctx = single_process(args.device)
         if ctx.device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_process(1))
+            torch.set_num_threads(cpu_share(1))
     else:
         ctx = init_distributed_mode(args.device, spawn_rank=rank, spawn_world_size=world_size)
     try:
@@ -353,7 +354,7 @@ def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo")
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
              if line.startswith("model name")]
-    return {"cpu": names[0] if names else platform.processor(), "cores": cpu_threads_per_process(1),
+    return {"cpu": names[0] if names else platform.processor(), "cores": cpu_share(1),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "python": platform.python_version()}
 

@@ -11,7 +11,7 @@ from torch.utils.data import TensorDataset
 
 from multi_train_utils.data import build_loaders
 from multi_train_utils.distributed_utils import cleanup, init_distributed_mode, print_main, wrap_ddp
-from multi_train_utils.fit import fit
+from multi_train_utils.train_eval_utils import fit
 
 
 def focal_loss(logits: torch.Tensor, targets: torch.Tensor, gamma: float = 2.0) -> torch.Tensor:

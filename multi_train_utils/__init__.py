@@ -5,11 +5,14 @@ The tutorial's helpers are importable from here (`from multi_train_utils import 
 use: the scripts import `multi_train_utils.errors` before anything slow, to catch Ctrl-C from the first moment.
 
 Each module has one concern, named for it:
-  the loops          train_eval_utils (train_one_epoch, evaluate, how each step runs, the hooks), fit (the epochs)
-  the optimizer      optim (optimizer and lr schedule, by flag)
-  process set-up     distributed_utils (who started this process, the process group, rank helpers, the DDP
-                     wrapper), spawn_utils (around the spawn script's mp.spawn), shutdown (how every process of
-                     a job ends together)
+  the lesson         distributed_utils (the process group: joining it, rank helpers, reductions, the DDP wrapper),
+                     train_eval_utils (train_one_epoch, evaluate, and fit, which runs them epoch after epoch)
+  beside the loop    step_options (how each step runs: precision, memory format, accumulation), hooks (how the
+                     rest meets the loop), features (what a run attaches to it, in one place), optim (optimizer
+                     and lr schedule, by flag)
+  process set-up     launch (who started this process), devices (its device and CPU share), meeting (where the
+                     processes meet, and the line when they do not), spawn_utils (around the spawn script's
+                     mp.spawn), shutdown (how every process of a job ends together)
   data               data (samplers, loaders, the loader's worker processes)
   a run's files      recorder (the run's folder: which file is where, its lock, one run per folder, rewinds; and
                      what a run writes: metrics, weights, TensorBoard), checkpoint (what resumes a run, what
@@ -19,8 +22,8 @@ Each module has one concern, named for it:
                      command line); errors (the ways a run ends early, in one line)
   PyTorch releases   versions (which releases are supported, and the calls that differ between them)
   stopping           preemption (a stop signal stops every rank at the same step, with its checkpoint)
-  optional features  imported only when their flag is on (fit.optional_features): ema, periodic_checkpoints,
-                     freezing; and gpu_decode (my_dataset.build_datasets)
+  optional features  imported only when their flag is on (features.attach): ema, periodic_checkpoints, freezing;
+                     and gpu_decode (my_dataset.build_datasets)
 """
 
 import importlib
@@ -37,7 +40,7 @@ _HOMES = {
     "get_world_size": "distributed_utils", "init_distributed_mode": "distributed_utils",
     "is_dist_avail_and_initialized": "distributed_utils", "is_main_process": "distributed_utils",
     "reduce_value": "distributed_utils", "UserInputError": "errors", "evaluate": "train_eval_utils",
-    "train_one_epoch": "train_eval_utils", "fit": "fit",
+    "train_one_epoch": "train_eval_utils", "fit": "train_eval_utils",
 }
 __all__ = sorted(_HOMES)
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .config import applied_changes
+from .confusion import class_figures
 from .distributed_utils import (
     get_world_size,
     is_dist_avail_and_initialized,
@@ -31,7 +32,8 @@ from .distributed_utils import (
 )
 from .errors import UserInputError, report
 from .files import load_file, megabytes, to_cpu
-from .optim import align_schedule, scheduled_lr
+from .hooks import Hook, StepEnd
+from .optim import align_schedule, optimizer_steps_per_epoch, scheduled_lr
 from .recorder import (
     LOCK_NAME,
     RunRecorder,
@@ -43,7 +45,7 @@ from .recorder import (
     rewinds_here,
     write_checkpoint,
 )
-from .train_eval_utils import Hook, StepEnd, StepOptions, stop_if_diverged
+from .step_options import StepOptions
 
 # Which way each --best-metric improves.
 BEST_METRICS = {"val_acc": "higher", "val_loss": "lower"}
@@ -207,7 +209,7 @@ class Checkpointer(Hook):
                  recorder: RunRecorder, train_loader: DataLoader) -> None:
         self.model, self.optimizer, self.scheduler, self.options = model, optimizer, scheduler, options
         self.recorder, self.train_loader = recorder, train_loader
-        self.steps_per_epoch = -(-len(train_loader) // options.accum_steps)
+        self.steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), options.accum_steps)
         self.samples_per_step = train_loader.batch_size * get_world_size() * options.accum_steps
         self.start = EpochProgress(0)
         self.best = Best(recorder.config.best_metric)
@@ -220,10 +222,12 @@ class Checkpointer(Hook):
             warn_if_the_disk_is_short(recorder.output_dir, model, optimizer, epochs)
 
     def resume(self, saved: SavedRun) -> int:
-        """Load the saved run into this one; return the epoch training goes on in. What the optimizer, the
-        schedule and the features do from here is this run's configuration: a flag changed on resume applies
-        from the first step this run takes (config.ON_RESUME), and is said."""
+        """Load the saved run into this one, if there is one; return the epoch training goes on in. What the
+        optimizer, the schedule and the features do from here is this run's configuration: a flag changed on resume
+        applies from the first step this run takes (config.ON_RESUME), and is said."""
         checkpoint = saved.state
+        if checkpoint is None:
+            return 0
         problem = state_dict_mismatch(unwrap_model(self.model), checkpoint["model"])
         if problem:
             raise UserInputError(f"--resume {saved.path}: saved from another model, or for other classes, than "
@@ -319,7 +323,7 @@ class Checkpointer(Hook):
 
     def save_at(self, step: StepEnd) -> EpochProgress:
         """Write the checkpoint of the step just taken (every rank takes part); return where it stands."""
-        stop_if_diverged(step.non_finite, step.epoch, step.step)  # a checkpoint never keeps NaN weights
+        step.stop_if_diverged(step.step)  # a checkpoint never keeps NaN weights
         progress = self.position(step)
         self.write(self.build(step.epoch - 1, replace(progress)))
         self.last_saved, self.saved_at = (progress.epoch, progress.step), time.monotonic()
@@ -334,6 +338,12 @@ class Checkpointer(Hook):
         if self.recorder.enabled:
             write_checkpoint(self.recorder.output_dir, checkpoint, self.recorder.config.keep_checkpoints)
 
-    def improved(self, metrics: dict[str, Any]) -> bool:
-        """Whether the epoch's `metrics` are the best so far, by --best-metric: best.pth is due."""
-        return self.best.update(metrics)
+    def end_epoch(self, epoch: int, metrics: dict[str, Any], sums: dict[str, torch.Tensor], last_epoch: int) -> None:
+        """Write the epoch's line of metrics.jsonl (with every class's figures, from validation's `sums`), its
+        weights (best.pth when they are the best so far, by --best-metric) and, when it is due, its checkpoint
+        (every rank takes part)."""
+        metrics.update(class_figures(sums, self.recorder.class_names))
+        self.recorder.end_epoch(self.model, metrics, sums.get("confusion"), improved=self.best.update(metrics),
+                                run_step=(epoch + 1) * self.steps_per_epoch)
+        if self.recorder.checkpoint_due(epoch, last_epoch):  # the same answer on every rank
+            self.save_epoch(epoch)

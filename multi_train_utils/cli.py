@@ -17,13 +17,15 @@ from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS
 from .config import RunConfig, bound_change, saved_values
-from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S, detect_launch, usable_cpus
+from .devices import usable_cpus
+from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S
 from .errors import UserInputError, path_kind
 from .files import check_readable_file
+from .launch import detect_launch
 from .optim import OPTIMIZERS, SCHEDULES
 from .recorder import trained_flags
 from .shutdown import ends_in_one_line
-from .train_eval_utils import AMP_CHOICES
+from .step_options import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
 

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from .distributed_utils import DistContext, print_main, usable_cpus
+from .devices import cpu_share
+from .distributed_utils import DistContext, print_main
 from .errors import STOP_SIGNALS, UserInputError
 
 # Matched without regard to case; the last two are what Windows' browsers save. utils.IMAGE_EXTENSIONS starts with
@@ -139,7 +140,7 @@ SIGNALS_LEFT_TO_THE_TRAINER = (signal.SIGINT, *STOP_SIGNALS)
 
 def default_workers(ctx: DistContext) -> int:
     """Data-loader processes per training process: its share of the usable CPUs, less one for itself."""
-    per_process = max(1, usable_cpus() // ctx.local_world_size)
+    per_process = cpu_share(ctx.local_world_size)
     if ctx.device.type == "cuda":  # one CPU left to the training process, which feeds the GPU
         return max(1, min(MAX_GPU_WORKERS, per_process - 1))
     return min(4, per_process // 4)  # on a CPU training wants every core: the loaders get what is left over

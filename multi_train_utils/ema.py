@@ -5,6 +5,8 @@ same --best-metric as best.pth) and in the checkpoint."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -16,8 +18,9 @@ from torch.utils.data import DataLoader
 from .checkpoint import Best, Checkpointer, saved_best
 from .config import RunConfig
 from .distributed_utils import get_world_size, unwrap_model
+from .hooks import Hook, StepEnd
 from .recorder import RunRecorder
-from .train_eval_utils import Criterion, Hook, StepEnd, StepOptions, evaluate
+from .step_options import Criterion
 
 
 def ema_decay_per_step(decay: float, batches_per_step: int) -> float:
@@ -41,24 +44,25 @@ class ModelEma(Hook):
 
     name = "ema"
 
-    def __init__(self, model: nn.Module, decay: float, batches_per_step: int, criterion: Criterion | None = None,
-                 val_loader: DataLoader | None = None, recorder: RunRecorder | None = None,
-                 options: StepOptions | None = None, best_metric: str = "val_acc") -> None:
+    def __init__(self, model: nn.Module, decay: float, batches_per_step: int, best_metric: str = "val_acc",
+                 validate: Callable[[nn.Module], Any] | None = None, recorder: RunRecorder | None = None) -> None:
         plain = unwrap_model(model)
         self.device = next(plain.parameters()).device
         self.decay = ema_decay_per_step(decay, batches_per_step)
         self.averaged = AveragedModel(plain, device=self.device, multi_avg_fn=get_ema_multi_avg_fn(self.decay),
                                       use_buffers=True)
         self.best = Best(best_metric)
-        self.criterion, self.val_loader, self.recorder, self.options = criterion, val_loader, recorder, options
+        self.validate, self.recorder = validate, recorder  # validate(model): the loop's evaluate, on validation
 
     @classmethod
-    def from_config(cls, config: RunConfig, checkpoints: Checkpointer, criterion: Criterion,
-                    val_loader: DataLoader) -> ModelEma:
-        """--model-ema, its decay per step following the batches of one step (processes x --accum-steps),
-        restored from the saved run."""
-        ema = cls(checkpoints.model, config.model_ema_decay, get_world_size() * config.accum_steps, criterion,
-                  val_loader, checkpoints.recorder, checkpoints.options, checkpoints.best.metric)
+    def from_config(cls, config: RunConfig, checkpoints: Checkpointer, criterion: Criterion, val_loader: DataLoader,
+                    evaluate: Callable[..., Any]) -> ModelEma:
+        """--model-ema, its decay per step following the batches of one step (processes x --accum-steps), validated
+        by the loop's `evaluate`, restored from the saved run."""
+        validate = functools.partial(evaluate, criterion=criterion, data_loader=val_loader,
+                                     device=next(checkpoints.model.parameters()).device, options=checkpoints.options)
+        ema = cls(checkpoints.model, config.model_ema_decay, get_world_size() * config.accum_steps,
+                  checkpoints.best.metric, validate, checkpoints.recorder)
         saved = checkpoints.recorder.saved.state
         if saved and saved.get(cls.name):
             ema.load_state_dict(saved[cls.name])
@@ -80,7 +84,7 @@ class ModelEma(Hook):
     def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
         """Validate the averaged weights, add their figures to the epoch's (ema_val_acc, ...), and save them as
         weights/best_ema.pth when they are the best the average has reached."""
-        result = evaluate(self.model, self.criterion, self.val_loader, self.device, self.options)
+        result = self.validate(self.model)
         metrics.update({"ema_val_acc": result.accuracy, "ema_val_loss": result.loss,
                         "ema_val_correct": result.correct})
         if self.best.update(metrics, prefix="ema_"):

@@ -42,6 +42,10 @@ class UserInputError(ValueError):
     """Bad data, flag or file, said in one line without a traceback (anything else is our bug, and keeps its own)."""
 
 
+class NonFiniteLossError(UserInputError):
+    """The loss became NaN or infinite: training has diverged. Raised on every rank at the same step."""
+
+
 class QuietExit(SystemExit):
     """The exit of a process whose end another explains: one rank's stop makes the others fail too."""
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from .checkpoint import Checkpointer
-from .distributed_utils import agree, cpu_side_group, is_main_process
-from .train_eval_utils import Hook, StepEnd
+from .distributed_utils import any_rank, cpu_side_group, is_main_process
+from .hooks import Hook, StepEnd
 
 
 class PeriodicCheckpoints(Hook):
@@ -29,4 +29,4 @@ class PeriodicCheckpoints(Hook):
     def minutes_passed(self) -> bool:
         if not self.every_s:
             return False
-        return agree(is_main_process() and time.monotonic() - self.checkpoints.saved_at >= self.every_s, self.group)
+        return any_rank(is_main_process() and time.monotonic() - self.checkpoints.saved_at >= self.every_s, self.group)

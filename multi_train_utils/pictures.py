@@ -7,7 +7,7 @@ import math
 import torch
 from PIL import Image, ImageDraw
 
-from .train_eval_utils import IMAGENET_MEAN, IMAGENET_STD
+from .step_options import IMAGENET_MEAN, IMAGENET_STD
 
 
 def denormalize(images: torch.Tensor) -> torch.Tensor:

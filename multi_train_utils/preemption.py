@@ -18,10 +18,10 @@ import time
 from typing import Any
 
 from .checkpoint import Checkpointer
-from .distributed_utils import agree, cpu_side_group, is_main_process
+from .distributed_utils import any_rank, cpu_side_group, is_main_process
 from .errors import REQUEUE_EXIT_CODE, STOP_SIGNALS, Preempted, listen_for_stop_signals, report, stop_now
+from .hooks import Hook, StepEnd
 from .shutdown import another_process_failed
-from .train_eval_utils import Hook, StepEnd
 
 # After the deadline, how long a rank that the signal cannot reach (one waiting inside a collective, which
 # does not return to Python) has before it ends without its clean-up.
@@ -101,7 +101,7 @@ class StopAtStep(Hook):
             listen_for_stop_signals()  # from now on a stop signal ends the process at once
 
     def any_rank_signalled(self) -> bool:
-        return agree(stop_signal() is not None, self.group)
+        return any_rank(stop_signal() is not None, self.group)
 
     def stop(self, where: str) -> None:
         """End the run after the checkpoint just written; every rank exits once rank 0 has written it

@@ -37,7 +37,7 @@ from .config import RunConfig
 from .distributed_utils import DistContext, unwrap_model
 from .errors import UserInputError
 from .files import PARTIAL_SUFFIX, load_file, save_atomic, to_cpu
-from .train_eval_utils import Hook, StepEnd
+from .hooks import Hook, StepEnd
 
 CHECKPOINT_NAME = "checkpoint.pth"
 KEPT_CHECKPOINTS = "checkpoints"  # the older checkpoints that --keep-checkpoints keeps

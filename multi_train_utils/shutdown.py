@@ -25,13 +25,7 @@ from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
 
-from .distributed_utils import (
-    GroupNotFormedError,
-    barrier,
-    cleanup,
-    is_dist_avail_and_initialized,
-    meeting_point,
-)
+from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
 from .errors import (
     STOP_SIGNALS,
     Preempted,
@@ -45,6 +39,7 @@ from .errors import (
     one_line,
     report,
 )
+from .meeting import GroupNotFormedError, meeting_point
 from .recorder import CHECKPOINT_NAME
 from .versions import default_store, has_default_store
 

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import torch
 import torch.multiprocessing as mp
 
-from .distributed_utils import find_free_port, resolve_device, usable_cpus
+from .devices import resolve_device, usable_cpus
 from .errors import (
     CTRL_C_EXIT_CODE,
     REQUEUE_EXIT_CODE,
@@ -27,6 +27,7 @@ from .errors import (
     report,
     system_reason,
 )
+from .meeting import find_free_port
 
 CPU_PROCESSES_PER_CORE = 4
 STOP_GRACE_S = 3.0

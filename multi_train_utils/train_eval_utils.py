@@ -1,212 +1,53 @@
-"""The training and validation loops, the only ones in the repository, for one process or many; how each step
-runs (precision, memory format, accumulated batches); and the hooks through which the rest of a run
-(checkpoints, stops, logs) meets the loop, at its edges.
+"""The tutorial's train_eval_utils.py, correct where it is not: train_one_epoch, evaluate, and fit, which runs them
+epoch after epoch; the only training and validation loops in the repository, for one process or many.
 
-train_one_epoch is the tutorial's loop plus what DDP really needs (autocast, no_sync accumulation, the loss
-summed without waiting for the device); evaluate sums its figures exactly over the processes; fit.py runs
-them epoch after epoch. Both take the loss (the criterion) from the script that calls them.
+train_one_epoch is the tutorial's loop plus what DDP really needs: each process's loss its own, DDP averaging the
+gradients inside backward() (once per group of accumulated batches), and every rank stopping at the same step when
+the loss diverges. evaluate sums its figures over the processes, exactly: no image counted twice, none left out.
+Both take the loss (the criterion) from the script that calls them. How each step runs (precision, memory format,
+accumulation) is step_options.py's; what a run attaches to the loop (checkpoints, stops, features), features.py's,
+through the hooks of hooks.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from .config import RunConfig
 from .confusion import class_figures, class_sums, per_class
 from .data import workers_ended
-from .distributed_utils import broadcast_buffers_from_main, is_main_process, print_main, reduce_sums, unwrap_model
-from .errors import UserInputError
+from .distributed_utils import (
+    broadcast_buffers_from_main,
+    get_world_size,
+    is_main_process,
+    print_main,
+    reduce_sums,
+    unwrap_model,
+)
+from .errors import NonFiniteLossError
+from .features import attach
+from .hooks import Hook, Hooks, StepEnd
+from .optim import optimizer_steps_per_epoch
+from .step_options import Criterion, StepOptions
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-AMP_CHOICES = ("off", "auto", "bf16", "fp16")
+if TYPE_CHECKING:
+    from .recorder import RunRecorder
+
 LOG_EVERY = 10  # batches between progress-bar updates; each update waits for the device
 # One process draws the bars, so a thread lock will do. tqdm's own is a multiprocessing semaphore, which a
 # process killed outright leaves behind, and the spawn script's resource tracker then warns of it.
 tqdm.set_lock(threading.RLock())
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the batch's mean loss
-BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-def unchanged(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return images, labels
-
-
-class NonFiniteLossError(UserInputError):
-    """The loss became NaN or infinite: training has diverged. Raised on every rank at the same step."""
-
-
-@dataclass
-class StepOptions:
-    """How each step runs, decided once from the flags, so that the loop itself has no branches."""
-
-    device_type: str = "cpu"
-    amp_dtype: torch.dtype | None = None  # autocast's; None: float32
-    channels_last: bool = False  # NHWC: what tensor cores and oneDNN's fastest convolutions read
-    accum_steps: int = 1
-    # Loss scaling, which float16 gradients need (they underflow without); disabled, it passes everything through.
-    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
-    sync_gradients: bool = True  # False only for the benchmark's bound without communication
-    clip_grad_norm: float | None = None  # the largest L2 norm of all gradients together that a step may use
-    batch_transform: BatchTransform = unchanged  # each training batch, on the device: MixUp, CutMix
-
-    @classmethod
-    def from_args(cls, args: RunConfig, device: torch.device,
-                  batch_transform: BatchTransform | None = None) -> StepOptions:
-        dtype = None if args.amp == "off" else autocast_dtype(args.amp, device, args.comm_hook)
-        return cls(device.type, dtype, args.channels_last, args.accum_steps,
-                   torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-                   clip_grad_norm=args.clip_grad_norm, batch_transform=batch_transform or unchanged)
-
-    @property
-    def memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.channels_last else torch.preserve_format
-
-    def to_device(self, images: Any, labels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return to_model_input(images, device, self.memory_format), labels.to(device, non_blocking=True)
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
-
-    def no_sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
-        """DDP's no_sync on the micro-steps whose gradients only accumulate: one all-reduce per optimizer step."""
-        skip = not self.sync_gradients or not last_micro_step
-        return model.no_sync() if skip and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
-
-
-def autocast_dtype(amp: str, device: torch.device, comm_hook: str = "none") -> torch.dtype | None:
-    """The dtype of --amp on `device`, or None for full float32. auto: bf16 where the device computes in it
-    (no loss scaling needed), fp16 on GPUs without bf16, float32 on CPUs without bf16."""
-    from .versions import cpu_has_bf16
-
-    if amp == "off":
-        return None
-    on_cuda = device.type == "cuda"
-    # including_emulation=False: older GPUs emulate bf16, and slowly; they get fp16 with loss scaling.
-    gpu_has_bf16 = on_cuda and torch.cuda.is_bf16_supported(including_emulation=False)
-    if amp == "auto" and on_cuda:
-        amp = "bf16" if gpu_has_bf16 else "fp16"
-    elif amp == "auto":
-        if cpu_has_bf16():
-            return torch.bfloat16
-        print_main("--amp: this CPU has no bfloat16 instructions, so training stays in float32")
-        return None
-    if amp == "fp16" and not on_cuda:
-        raise UserInputError("--amp fp16: float16 autocast needs a CUDA GPU; on the CPU use --amp bf16")
-    if amp == "fp16" and comm_hook == "fp16":
-        # PyTorch's fp16 hook casts the loss-scaled gradients to fp16 before dividing by the number of
-        # processes: the sum overflows at a world-size-times smaller gradient than training itself.
-        raise UserInputError("--comm-hook fp16 with fp16 autocast: the loss-scaled gradients overflow "
-                             "float16 in the all-reduce; use --comm-hook bf16")
-    if amp == "bf16" and on_cuda and not gpu_has_bf16:
-        raise UserInputError("--amp bf16: this GPU has no bfloat16; use --amp fp16")
-    if amp == "bf16" and not on_cuda and not cpu_has_bf16():
-        print_main("--amp bf16: this CPU has no bfloat16 instructions; bf16 runs emulated, much slower than float32")
-    return torch.bfloat16 if amp == "bf16" else torch.float16
-
-
-def to_model_input(images: Any, device: torch.device,
-                   memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
-    """A loader's batch on `device` as the model takes it: uint8 pixels become float32, ImageNet-normalised."""
-    if not isinstance(images, torch.Tensor):  # JPEG files of --decode-on gpu (gpu_decode.EncodedBatch)
-        images = images.decode_and_augment(device)
-    # Copied and laid out as uint8, a quarter of float32's bytes.
-    images = images.to(device, non_blocking=True).to(memory_format=memory_format)
-    if images.dtype != torch.uint8:
-        return images
-    mean, scale = normalisation(images.device)  # (x / 255 - mean) / std as one subtraction, one multiplication
-    return (images.float() - mean) * scale
-
-
-@functools.cache
-def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """ImageNet's mean and 1/std in pixel units, made once per device (copied every step, they would stall it)."""
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    return mean, 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
-
-
-@dataclass
-class StepEnd:
-    """What the loop tells the hooks after each optimizer step (tensors stay on the device until read)."""
-
-    epoch: int
-    step: int  # optimizer steps done in the epoch (a resumed epoch's first part included)
-    steps_per_epoch: int
-    images: int  # images this process has trained on in this call, their summed loss, their non-finite losses
-    loss_sum: torch.Tensor
-    non_finite: torch.Tensor
-    model: nn.Module
-    figures: dict[str, Any] = field(default_factory=dict)  # the step's own: loss, lr (TensorBoard draws them)
-
-    @property
-    def run_step(self) -> int:  # optimizer steps since the start of the run
-        return self.epoch * self.steps_per_epoch + self.step
-
-
-class Hook:
-    """A feature attached to training. Every method is optional and runs on every rank: a hook that writes
-    files does so on rank 0 alone, and one that runs a collective runs it on every rank."""
-
-    name: str | None = None  # the key of state_dict() in the checkpoint; None: the hook keeps no state
-
-    def on_fit_start(self) -> None:
-        """Before the first epoch."""
-
-    def on_epoch_start(self, epoch: int) -> None:
-        """Before the epoch's first batch is loaded."""
-
-    def on_first_batch(self, images: Any, labels: torch.Tensor) -> None:
-        """The epoch's first batch, as the loader gives it (before it moves to the device)."""
-
-    def on_step_end(self, step: StepEnd) -> None:
-        """After each optimizer step (and the schedule's)."""
-
-    def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """After validation; `metrics` is the epoch's line of metrics.jsonl, to which a hook may add figures."""
-
-    def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
-        """After the epoch's metrics, weights and checkpoint are written."""
-
-    def on_fit_end(self) -> None:
-        """After training, however it ended."""
-
-    def state_dict(self) -> Any:
-        """What the checkpoint keeps of this hook, under `name`."""
-        return None
-
-
-class Hooks(list):
-    """Hooks called in turn, in their order (at the end, in reverse)."""
-
-    def __init__(self, hooks: Iterable[Hook | None] = ()) -> None:
-        super().__init__(filter(None, hooks))
-
-    def call(self, event: str, *args: Any) -> None:
-        for hook in reversed(self) if event == "on_fit_end" else self:
-            getattr(hook, event)(*args)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """on_fit_start before the block, on_fit_end after it, however it ends."""
-        self.call("on_fit_start")
-        try:
-            yield
-        finally:
-            self.call("on_fit_end")
 
 
 def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
@@ -217,13 +58,9 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
     options.accum_steps K, K batches of b images take the step of one batch of K*b (BatchNorm aside)."""
     options, hooks = options or StepOptions(device.type), hooks or Hooks()
     model.train()
-    done, batches = batches_done(data_loader)
-    # Summed on the device and read every LOG_EVERY batches: reading them every batch would stall the GPU.
-    state = StepEnd(epoch, done // options.accum_steps, -(-batches // options.accum_steps), 0,
-                    torch.zeros((), device=device), torch.zeros((), device=device), model)
+    state, bar = epoch_progress(data_loader, epoch, options, model, device)
     optimizer.zero_grad(set_to_none=True)
-    with tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
-              dynamic_ncols=True, initial=done, total=batches) as bar:
+    with bar:
         for i, (images, labels) in enumerate(bar):
             if i == 0:
                 hooks.call("on_first_batch", images, labels)
@@ -235,9 +72,6 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
                 with options.autocast():
                     loss = criterion(model(images), labels)
                 options.scaler.scale(loss / group_size).backward()
-            state.loss_sum += loss.detach().float() * labels.size(0)
-            state.non_finite += ~torch.isfinite(loss.detach())
-            state.images += labels.size(0)
             if last_of_group:
                 state.figures = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"]}
                 if options.clip_grad_norm is not None:  # on the true gradients: unscaled first under fp16
@@ -248,14 +82,25 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
                 optimizer.zero_grad(set_to_none=True)
                 if scheduler is not None:
                     scheduler.step()
-                state.step += 1
-                hooks.call("on_step_end", state)
+            state.count(loss, labels.size(0), stepped=last_of_group, hooks=hooks)
             if (i + 1) % LOG_EVERY == 0:
-                stop_if_diverged(state.non_finite, epoch, i)
+                state.stop_if_diverged(i)
                 bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
-    stop_if_diverged(state.non_finite, epoch, len(data_loader) - 1)
+    state.stop_if_diverged(len(data_loader) - 1)
     totals = reduce_sums({"loss": state.loss_sum, "images": torch.tensor(float(state.images), device=device)})
     return (totals["loss"] / totals["images"]).item()
+
+
+def epoch_progress(data_loader: DataLoader, epoch: int, options: StepOptions, model: nn.Module,
+                   device: torch.device) -> tuple[StepEnd, tqdm]:
+    """Where the epoch stands (summed on the device and read every LOG_EVERY batches: reading them every batch would
+    stall the GPU), and its progress bar, which counts the batches a resumed epoch trained before too."""
+    done, batches = batches_done(data_loader)
+    state = StepEnd(epoch, done // options.accum_steps, optimizer_steps_per_epoch(batches, options.accum_steps), 0,
+                    torch.zeros((), device=device), torch.zeros((), device=device), model)
+    bar = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
+               dynamic_ncols=True, initial=done, total=batches)
+    return state, bar
 
 
 def batches_done(data_loader: DataLoader) -> tuple[int, int]:
@@ -271,19 +116,6 @@ def accumulation_group(batch: int, batches: int, accum_steps: int) -> tuple[int,
     group_start = batch - batch % accum_steps
     group_size = min(accum_steps, batches - group_start)
     return group_size, batch == group_start + group_size - 1
-
-
-def stop_if_diverged(non_finite: torch.Tensor, epoch: int, step: int) -> None:
-    """Stop every process at the same step if the loss of any of them was NaN or infinite.
-
-    One all-reduce tells every rank the same count, so all raise together; a rank that stopped alone
-    would leave the others waiting for it in their next collective.
-    """
-    count = int(reduce_sums({"non_finite": non_finite})["non_finite"])
-    if count:
-        raise NonFiniteLossError(f"epoch {epoch}, step {step}: the training loss became NaN or infinite "
-                                 f"({count} time(s) since the last check), so training stopped; the last "
-                                 "checkpoint written is kept. Try a smaller --lr")
 
 
 def batch_sums(logits: torch.Tensor, labels: torch.Tensor, criterion: Criterion,
@@ -371,3 +203,58 @@ def evaluate_only(model: nn.Module, criterion: Criterion, val_loader: DataLoader
                    "per_class": per_class(result.sums, class_names)}
         print(json.dumps(figures, allow_nan=False), flush=True)
     return result
+
+
+def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer, train_loader: DataLoader,
+        val_loader: DataLoader, device: torch.device, epochs: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, options: StepOptions | None = None,
+        run: RunRecorder | None = None, hooks: Iterable[Hook] = ()) -> EvalResult | None:
+    """Train and validate up to `epochs`, print each epoch's figures, return the last validation result; with
+    `run`, also continue its saved state, write what it keeps, and attach what its flags ask for (features.py)."""
+    options, start_epoch, checkpoints = options or StepOptions(device.type), 0, None
+    if run is not None:
+        checkpoints = attach(run, model, optimizer, scheduler, options, criterion, train_loader, val_loader, epochs,
+                             evaluate, hooks)
+        start_epoch, hooks = checkpoints.resume(run.saved), checkpoints.hooks
+    if start_epoch >= epochs:
+        print_main(f"Nothing to train: {start_epoch} epoch(s) trained already; a larger --epochs than {epochs} goes on")
+    hooks, result = Hooks(hooks), None
+    with hooks.running(), workers_ended(train_loader, val_loader):
+        for epoch in range(start_epoch, epochs):
+            train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch: without it, each repeats the first
+            hooks.call("on_epoch_start", epoch)
+            lr = optimizer.param_groups[0]["lr"]  # the lr of the epoch's first step
+            started = time.perf_counter()
+            train_loss = train_one_epoch(model, criterion, optimizer, train_loader, device, epoch, scheduler,
+                                         options, hooks)
+            train_time = time.perf_counter() - started
+            result = evaluate(model, criterion, val_loader, device, options, run and len(run.class_names))
+            images = len(train_loader) * train_loader.batch_size * get_world_size()
+            metrics = {"epoch": epoch, "train_loss": train_loss, **result.figures(), "lr": lr,
+                       "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
+                       "world_size": get_world_size()}
+            hooks.call("on_validation_end", epoch, metrics)
+            stop_if_not_finite(metrics)  # before anything of the epoch is written
+            print_main(epoch_line(metrics))
+            if checkpoints is not None:  # the run's: metrics.jsonl, the weights, and the checkpoint when due
+                checkpoints.end_epoch(epoch, metrics, result.sums, last_epoch=epochs - 1)
+            hooks.call("on_epoch_end", epoch, metrics)
+    return result
+
+
+def epoch_line(metrics: dict[str, Any]) -> str:
+    """An epoch's figures on one line (its mean training loss: that of its last batch is the progress bar's)."""
+    ema = f"  ema_acc {metrics['ema_val_acc']:.3f}" if "ema_val_acc" in metrics else ""
+    return (f"[epoch {metrics['epoch']}] train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
+            f"val_acc {metrics['val_acc']:.3f} ({metrics['val_correct']}/{metrics['val_total']}){ema}  "
+            f"lr {metrics['lr']:.2e}  {metrics['images_per_s']:.1f} img/s  {metrics['epoch_time_s']:.1f} s")
+
+
+def stop_if_not_finite(metrics: dict[str, Any]) -> None:
+    """Stop every process (their figures are the same, summed over all of them) where an epoch's figure is NaN or
+    infinite: the weights have diverged, and are neither written nor chosen as the best."""
+    broken = [name for name, value in metrics.items() if isinstance(value, float) and not math.isfinite(value)]
+    if broken:
+        raise NonFiniteLossError(f"epoch {metrics['epoch']}: {', '.join(broken)} became {metrics[broken[0]]}: the "
+                                 "weights have diverged, so training stopped without writing them; the last "
+                                 "checkpoint written is kept. Try a smaller --lr")

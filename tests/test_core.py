@@ -59,11 +59,12 @@ def frames_at_the_first_step(script: object, launcher: str, data: Path, out: Pat
 
 def test_the_first_optimizer_step_is_a_few_calls_from_main(image_folder: Path, tmp_path: Path) -> None:
     single = frames_at_the_first_step(train_single_gpu, "single", image_folder, tmp_path / "single")
-    assert single == ["train_single_gpu.py:main", "multi_train_utils/fit.py:fit",
+    assert single == ["train_single_gpu.py:main", "multi_train_utils/train_eval_utils.py:fit",
                       "multi_train_utils/train_eval_utils.py:train_one_epoch"]
     launch = frames_at_the_first_step(train_multi_gpu_using_launch, "launch", image_folder, tmp_path / "launch")
     assert launch == ["train_multi_gpu_using_launch.py:main", "train_multi_gpu_using_launch.py:train",
-                      "multi_train_utils/fit.py:fit", "multi_train_utils/train_eval_utils.py:train_one_epoch"]
+                      "multi_train_utils/train_eval_utils.py:fit",
+                      "multi_train_utils/train_eval_utils.py:train_one_epoch"]
     assert max(len(single), len(launch)) <= MAX_OWN_FRAMES
 
 
@@ -93,7 +94,8 @@ def test_the_spawn_script_calls_mp_spawn_and_its_workers_are_three_calls_from_th
     assert result.returncode == 0, result.stderr[-3000:]
     frames = json.loads(result.stdout.split("FRAMES ", 1)[1].splitlines()[0])
     assert frames == ["train_multi_gpu_using_spawn.py:worker", "train_multi_gpu_using_spawn.py:train",
-                      "multi_train_utils/fit.py:fit", "multi_train_utils/train_eval_utils.py:train_one_epoch"]
+                      "multi_train_utils/train_eval_utils.py:fit",
+                      "multi_train_utils/train_eval_utils.py:train_one_epoch"]
 
 
 def test_the_loop_with_its_step_fits_on_one_screen() -> None:

@@ -12,7 +12,7 @@ from torch import nn
 import model
 from model import check_model_input, create_model, load_weights
 from multi_train_utils import checkpoint, recorder
-from multi_train_utils.distributed_utils import DistContext, normalised_batch
+from multi_train_utils.distributed_utils import DistContext, batchnorm_batch_size
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.freezing import FrozenBody, classifier_of
 
@@ -200,8 +200,8 @@ def test_batch_norm_of_one_image_is_refused_unless_sync_batch_norm_sees_several_
     (any CPU run, or one process) it cannot. The rule is a function of the context, tested without a GPU."""
     gpus, cpus = (DistContext(0, 0, 2, 2, torch.device(kind, 0) if kind == "cuda" else torch.device("cpu"), True)
                   for kind in ("cuda", "cpu"))
-    assert normalised_batch(1, gpus, sync_bn=True) == 2
-    check_model_input("resnet18", 32, normalised_batch(1, gpus, sync_bn=True))
+    assert batchnorm_batch_size(1, gpus, sync_bn=True) == 2
+    check_model_input("resnet18", 32, batchnorm_batch_size(1, gpus, sync_bn=True))
     for ctx, sync_bn in ((gpus, False), (cpus, True)):
         with pytest.raises(UserInputError, match=r"^--batch-size 1: resnet18 cannot train on batches of 1 images"):
-            check_model_input("resnet18", 32, normalised_batch(1, ctx, sync_bn))
+            check_model_input("resnet18", 32, batchnorm_batch_size(1, ctx, sync_bn))

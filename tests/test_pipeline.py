@@ -19,7 +19,7 @@ from conftest import REPO, requires_cuda
 from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
 from multi_train_utils.pictures import batch_grid
-from multi_train_utils.train_eval_utils import IMAGENET_MEAN, IMAGENET_STD, StepOptions, normalisation, to_model_input
+from multi_train_utils.step_options import IMAGENET_MEAN, IMAGENET_STD, StepOptions, normalisation, to_model_input
 from my_dataset import (
     MyDataSet,
     build_datasets,
@@ -263,8 +263,7 @@ def test_fit_and_eval_only_end_the_loader_workers_when_they_return(image_folder:
     import multiprocessing
 
     from multi_train_utils.data import build_loaders
-    from multi_train_utils.fit import fit
-    from multi_train_utils.train_eval_utils import evaluate_only
+    from multi_train_utils.train_eval_utils import evaluate_only, fit
 
     ctx = DistContext(0, 0, 1, 1, torch.device("cpu"), distributed=False)
     train_set, val_set = build_datasets(read_split_data(image_folder), 16)

@@ -12,7 +12,7 @@ from typing import BinaryIO
 import pytest
 import torch
 
-import multi_train_utils.fit as engine
+import multi_train_utils.train_eval_utils as engine
 import train_single_gpu
 import utils
 from conftest import (
@@ -144,7 +144,7 @@ def test_resuming_on_another_world_size_follows_the_lr_of_its_batch(data: Path, 
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from model import create_model
     from multi_train_utils.optim import build_optimizer
-    from multi_train_utils.train_eval_utils import StepOptions
+    from multi_train_utils.step_options import StepOptions
 
     train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves

@@ -17,7 +17,8 @@ from multi_train_utils import checkpoint, files
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.train_eval_utils import StepOptions, autocast_dtype, evaluate, train_one_epoch
+from multi_train_utils.step_options import StepOptions, autocast_dtype
+from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 
 def record_conv_io(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -18,7 +18,7 @@ if any(f"{name}_RANK" in os.environ for name in ("FAIL", "HANG", "KILL", "NAN", 
     import signal
     import time
 
-    import multi_train_utils.fit as engine
+    import multi_train_utils.train_eval_utils as engine
     from multi_train_utils.distributed_utils import get_rank
 
     def _strikes(name, epoch):
