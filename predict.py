@@ -24,11 +24,11 @@ from torch import nn
 from model import check_model_name, create_model, read_state_dict
 from multi_train_utils.checkpoint import state_dict_mismatch
 from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLineErrorParser, at_least, path_text
-from multi_train_utils.devices import resolve_device, use_device
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.files import load_file
+from multi_train_utils.launch import resolve_device, use_device
 from multi_train_utils.recorder import CHECKPOINT_NAME
-from multi_train_utils.step_options import to_model_input
+from multi_train_utils.step import to_model_input
 from my_dataset import UnreadableImageError, build_transforms, decode_rgb
 from utils import IMAGE_EXTENSIONS, list_images
 

@@ -29,7 +29,7 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.step_options import StepOptions
+from multi_train_utils.step import StepOptions
 from multi_train_utils.train_eval_utils import evaluate_only, fit
 from my_dataset import batch_transform, build_datasets
 from utils import read_data

@@ -14,7 +14,7 @@ from torch import nn
 
 from model import build_model
 from multi_train_utils.checkpoint import find_saved_run
-from multi_train_utils.cli import run_cli
+from multi_train_utils.cli import ends_in_one_line, run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import (
@@ -27,14 +27,13 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.shutdown import ends_in_one_line
 from multi_train_utils.spawn_utils import (
     meeting_on_a_free_port,
     processes_to_start,
     stop_signals_passed_on,
     wait_for_all,
 )
-from multi_train_utils.step_options import StepOptions
+from multi_train_utils.step import StepOptions
 from multi_train_utils.train_eval_utils import evaluate_only, fit
 from my_dataset import batch_transform, build_datasets
 from utils import read_data

@@ -46,7 +46,6 @@ from bench.loader_benchmark import loader_benchmark
 from model import build_model
 from multi_train_utils.cli import OneLineErrorParser, at_least, default_config, positive_float, str2bool
 from multi_train_utils.data import build_loaders
-from multi_train_utils.devices import cpu_share
 from multi_train_utils.distributed_utils import (
     COMM_HOOKS,
     DistContext,
@@ -57,9 +56,10 @@ from multi_train_utils.distributed_utils import (
     wrap_ddp,
 )
 from multi_train_utils.errors import UserInputError, one_line, report
+from multi_train_utils.launch import cpu_share
 from multi_train_utils.optim import build_optimizer
 from multi_train_utils.spawn_utils import meeting_on_a_free_port
-from multi_train_utils.step_options import AMP_CHOICES, StepOptions
+from multi_train_utils.step import AMP_CHOICES, StepOptions
 from multi_train_utils.train_eval_utils import train_one_epoch
 from my_dataset import build_datasets
 from utils import ensure_demo_data, read_data

@@ -7,21 +7,21 @@ use: the scripts import `multi_train_utils.errors` before anything slow, to catc
 Each module has one concern, named for it:
   the lesson         distributed_utils (the process group: joining it, rank helpers, reductions, the DDP wrapper),
                      train_eval_utils (train_one_epoch, evaluate, and fit, which runs them epoch after epoch)
-  beside the loop    step_options (how each step runs: precision, memory format, accumulation), hooks (how the
-                     rest meets the loop), features (what a run attaches to it, in one place), optim (optimizer
-                     and lr schedule, by flag)
-  process set-up     launch (who started this process), devices (its device and CPU share), meeting (where the
-                     processes meet, and the line when they do not), spawn_utils (around the spawn script's
-                     mp.spawn), shutdown (how every process of a job ends together)
+  beside the loop    step (how each step runs: precision, memory format, accumulation; and the hooks through which
+                     the rest meets the loop), features (what a run attaches to it, in one place, and the stop at a
+                     step when a scheduler asks), optim (optimizer and lr schedule, by flag)
+  process set-up     launch (who started this process, its device and CPU share, where the processes meet),
+                     meeting (the one line when they do not), spawn_utils (around the spawn script's mp.spawn),
+                     shutdown (how every process of a job ends together)
   data               data (samplers, loaders, the loader's worker processes)
   a run's files      recorder (the run's folder: which file is where, its lock, one run per folder, rewinds; and
                      what a run writes: metrics, weights, TensorBoard), checkpoint (what resumes a run, what
                      "best" means), files (writes never left half done, loads that name the file),
                      confusion and pictures (what validation counts and draws)
   flags              config (what a run is: every flag as one value, and what a resume does with each), cli (the
-                     command line); errors (the ways a run ends early, in one line)
+                     command line, and run_cli, through which every script runs); errors (the ways a run ends
+                     early, in one line)
   PyTorch releases   versions (which releases are supported, and the calls that differ between them)
-  stopping           preemption (a stop signal stops every rank at the same step, with its checkpoint)
   optional features  imported only when their flag is on (features.attach): ema, periodic_checkpoints, freezing;
                      and gpu_decode (my_dataset.build_datasets)
 """

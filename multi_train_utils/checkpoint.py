@@ -32,7 +32,6 @@ from .distributed_utils import (
 )
 from .errors import UserInputError, report
 from .files import load_file, megabytes, to_cpu
-from .hooks import Hook, StepEnd
 from .optim import align_schedule, optimizer_steps_per_epoch, scheduled_lr
 from .recorder import (
     LOCK_NAME,
@@ -45,7 +44,7 @@ from .recorder import (
     rewinds_here,
     write_checkpoint,
 )
-from .step_options import StepOptions
+from .step import Hook, StepEnd, StepOptions
 
 # Which way each --best-metric improves.
 BEST_METRICS = {"val_acc": "higher", "val_loss": "lower"}
@@ -222,12 +221,10 @@ class Checkpointer(Hook):
             warn_if_the_disk_is_short(recorder.output_dir, model, optimizer, epochs)
 
     def resume(self, saved: SavedRun) -> int:
-        """Load the saved run into this one, if there is one; return the epoch training goes on in. What the
-        optimizer, the schedule and the features do from here is this run's configuration: a flag changed on resume
-        applies from the first step this run takes (config.ON_RESUME), and is said."""
+        """Load the saved run into this one; return the epoch training goes on in. What the optimizer, the schedule
+        and the features do from here is this run's configuration: a flag changed on resume applies from the first
+        step this run takes (config.ON_RESUME), and is said."""
         checkpoint = saved.state
-        if checkpoint is None:
-            return 0
         problem = state_dict_mismatch(unwrap_model(self.model), checkpoint["model"])
         if problem:
             raise UserInputError(f"--resume {saved.path}: saved from another model, or for other classes, than "

@@ -5,27 +5,29 @@ name)."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
+import gc
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal, NoReturn
 from urllib.parse import urlparse
 
 from .checkpoint import BEST_METRICS
 from .config import RunConfig, bound_change, saved_values
-from .devices import usable_cpus
 from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S
-from .errors import UserInputError, path_kind
+from .errors import UserInputError, hold_back_ctrl_c, listen_for_stop_signals, path_kind
 from .files import check_readable_file
-from .launch import detect_launch
+from .launch import detect_launch, stop_when_launcher_dies, usable_cpus
 from .optim import OPTIMIZERS, SCHEDULES
 from .recorder import trained_flags
-from .shutdown import ends_in_one_line
-from .step_options import AMP_CHOICES
+from .shutdown import end_run
+from .step import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
 
@@ -327,10 +329,28 @@ def flag_combination_problem(config: RunConfig, given: set[str], launcher: Launc
     return None
 
 
+@contextlib.contextmanager
+def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
+                     watch_launcher: bool = False) -> Iterator[SimpleNamespace]:
+    """Run the block as one process of a job, which end_run ends in one line however it ends early (with
+    `watch_launcher`, also when the launcher dies). The block may set the `output_dir` it yields, once known."""
+    listen_for_stop_signals()
+    atexit.unregister(gc.freeze)  # once, however many runs a process makes
+    atexit.register(gc.freeze)  # Python's last collections, at exit, would walk every object torch made (0.7 s)
+    if watch_launcher:
+        stop_when_launcher_dies()
+    ending = SimpleNamespace(output_dir=output_dir)  # where the run's last checkpoint is
+    try:
+        hold_back_ctrl_c(False)  # a Ctrl-C held back while a spawned process imported arrives now (spawn_utils)
+        yield ending
+    except BaseException as err:
+        end_run(err, rank, ending.output_dir)
+
+
 def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
             argv: Sequence[str] | None = None) -> None:
     """Parse the flags, check them against the files, run `main`; however it ends early, it ends in one line
-    (shutdown.ends_in_one_line)."""
+    (ends_in_one_line)."""
     rank, under_a_launcher = 0, False
     if launcher == "launch":  # this process may be any rank of a launcher's job, and the launcher may die first
         with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from .devices import cpu_share
 from .distributed_utils import DistContext, print_main
 from .errors import STOP_SIGNALS, UserInputError
+from .launch import cpu_share
 
 # Matched without regard to case; the last two are what Windows' browsers save. utils.IMAGE_EXTENSIONS starts with
 # them, and --decode-on gpu decodes these on the GPU.

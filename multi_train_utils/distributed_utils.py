@@ -3,8 +3,8 @@ the process group and leaving it, the rank helpers, the collectives the rest of 
 
 Everything here also works with one process and no process group, so the training code never has to ask "am I
 distributed?" before printing, saving or reducing. What stands beside the lesson has modules of its own: which
-launcher started the process (launch.py), its device and CPU threads (devices.py), and where the processes meet
-and what to say when they do not (meeting.py).
+launcher started the process, with its device, its CPU threads and where the processes meet (launch.py), and what
+to say when they do not meet (meeting.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from .devices import process_device
 from .errors import UserInputError, report
-from .launch import Launch, detect_launch
-from .meeting import meeting
+from .launch import Launch, detect_launch, meeting, process_device
 from .versions import abort_process_group
 
 COMM_HOOKS = ("none", "bf16", "fp16")

@@ -46,6 +46,10 @@ class NonFiniteLossError(UserInputError):
     """The loss became NaN or infinite: training has diverged. Raised on every rank at the same step."""
 
 
+class GroupNotFormedError(UserInputError):
+    """The processes never met: each says so itself, since none can count on another to."""
+
+
 class QuietExit(SystemExit):
     """The exit of a process whose end another explains: one rank's stop makes the others fail too."""
 
@@ -231,7 +235,7 @@ def stop_now(signum: int, frame: object = None) -> None:
 
 
 def listen_for_stop_signals() -> None:
-    """A stop signal, like Ctrl-C, ends the process through an exception: every `finally` runs (preemption.py
+    """A stop signal, like Ctrl-C, ends the process through an exception: every `finally` runs (features.py
     makes it wait for the next step while training runs)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, stop_now)

@@ -1,84 +1,40 @@
-"""Where the processes of a job meet (the store init_process_group makes, a free port for the spawn script, the
-network interface gloo uses across machines), and what to say when they do not meet: the diagnostics here run once
-init_process_group has failed, to turn PyTorch's page of C++ into one line, or where waiting would last until
---dist-timeout (a host name that does not resolve)."""
+"""What to say when the processes of a job do not meet: the diagnostics here run once init_process_group has failed,
+to turn PyTorch's page of C++ into one line that names the cause; and, across machines, the network interface gloo
+uses where this machine's name resolves to loopback. The spawn script's free port is found here too."""
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import os
 import re
 import socket
 import sys
-from collections.abc import Iterator, MutableMapping
-from urllib.parse import urlparse
+from collections.abc import MutableMapping
 
-import torch.distributed as dist
-
-from .errors import UserInputError, report, signals_end_the_wait
-from .launch import Launch, env_number, srun_meeting_point
+from .errors import GroupNotFormedError, UserInputError, report
 
 
-def tcp_store_uses_libuv() -> bool:
-    """Not on Windows, whose PyTorch is built without libuv (and before 2.5 still asked for it there, and failed)."""
-    return sys.platform != "win32"
-
-
-def restart_safe_store(launch: Launch, timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun, the store the processes meet in, with a prefix per restart attempt: torchrun keeps one store
-    for all attempts, where the new processes would read what the dead ones left ("connectFullMesh failed")."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        return None
-    hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and launch.rank == 0
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launch.world_size,
-                          is_master=hosts_store, timeout=timeout, use_libuv=tcp_store_uses_libuv())
-    return dist.PrefixStore(f"attempt{attempt}", store)
-
-
-def check_meeting_host(dist_url: str) -> None:
-    """Where rank 0's address is a name this machine cannot look up, or port 0, say so at once: PyTorch would retry
-    the name until --dist-timeout, printing pages of its C++ log, and rank 0 would listen on a port no other rank
-    knows."""
-    if dist_url == "env://":
-        host, named = os.environ.get("MASTER_ADDR"), f"MASTER_ADDR {os.environ.get('MASTER_ADDR')}"
-        if os.environ.get("MASTER_PORT", "").strip() == "0":
-            raise UserInputError("MASTER_PORT=0: a port is a number from 1 to 65535")
-    else:
-        host, named = urlparse(dist_url).hostname, f"--dist-url {dist_url}"
-    try:
-        if host:
-            socket.getaddrinfo(host, None)
-    except socket.gaierror as err:
-        raise GroupNotFormedError(f"{named}: this machine cannot find the host {host} ({err.strerror.lower()}); "
-                                  "give rank 0's IP address, or a name that every machine resolves") from None
+def meeting_failure(err: Exception, rank: int, world_size: int, timeout_s: float,
+                    dist_url: str) -> UserInputError | None:
+    """The one-line error for processes that could not meet (where to meet unsaid or no port, their port taken,
+    some never came), or None."""
+    for name in ("MASTER_ADDR", "MASTER_PORT") if dist_url == "env://" else ():
+        if not os.environ.get(name):  # a launcher sets them; by hand, with RANK and WORLD_SIZE, easily forgotten
+            return meeting_point_unset(name)
+    port = os.environ.get("MASTER_PORT", "1").strip()
+    if dist_url == "env://" and not (port.isdigit() and 0 < int(port) < 65536):
+        return UserInputError(f"MASTER_PORT={port}: a port is a number from 1 to 65535")
+    if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
+        return UserInputError(port_taken_line(os.environ.get("MASTER_PORT")))
+    if "ping failed" in str(err).lower():  # the store's first exchange had an answer no store gives
+        return GroupNotFormedError(f"rank {rank}: another program, not rank 0's store, answers at "
+                                   f"{meeting_place(dist_url)}; choose a port that nothing else listens on")
+    missing = processes_missing_line(err, rank, world_size, timeout_s, dist_url)
+    return None if missing is None else GroupNotFormedError(missing)
 
 
 def meeting_point_unset(name: str) -> UserInputError:
     return UserInputError(f"{name} is not set: the processes meet at MASTER_ADDR:MASTER_PORT (rank 0's address and "
                           "a free port), which a launcher such as torchrun sets")
-
-
-class GroupNotFormedError(UserInputError):
-    """The processes never met: each says so itself, since none can count on another to."""
-
-
-def meeting_failure(err: Exception, launch: Launch, timeout_s: float, dist_url: str) -> UserInputError | None:
-    """The one-line error for processes that could not meet (where to meet unsaid, their port taken, some never
-    came), or None."""
-    for name in ("MASTER_ADDR", "MASTER_PORT") if dist_url == "env://" else ():
-        if not os.environ.get(name):  # a launcher sets them; by hand, with RANK and WORLD_SIZE, easily forgotten
-            return meeting_point_unset(name)
-    if dist_url == "env://" and not 0 < env_number(os.environ, "MASTER_PORT") < 65536:
-        return UserInputError(f"MASTER_PORT={os.environ['MASTER_PORT']}: a port is a number from 1 to 65535")
-    if "EADDRINUSE" in str(err) or "address already in use" in str(err).lower():
-        return UserInputError(port_taken_line(os.environ.get("MASTER_PORT")))
-    if "ping failed" in str(err).lower():  # the store's first exchange had an answer no store gives
-        return GroupNotFormedError(f"rank {launch.rank}: another program, not rank 0's store, answers at "
-                                   f"{meeting_place(dist_url)}; choose a port that nothing else listens on")
-    missing = processes_missing_line(err, launch, timeout_s, dist_url)
-    return None if missing is None else GroupNotFormedError(missing)
 
 
 def port_taken_line(port: str | None) -> str:
@@ -89,7 +45,7 @@ def port_taken_line(port: str | None) -> str:
             "MASTER_PORT for the spawn script to pick one")
 
 
-def processes_missing_line(err: BaseException, launch: Launch, timeout_s: float,
+def processes_missing_line(err: BaseException, rank: int, world_size: int, timeout_s: float,
                            dist_url: str = "env://") -> str | None:
     """For a group that never formed within --dist-timeout: on rank 0, how many of the processes came (the store
     counts them); on the others, that rank 0's address did not answer. None for other errors."""
@@ -97,10 +53,10 @@ def processes_missing_line(err: BaseException, launch: Launch, timeout_s: float,
     joined = re.search(r"(\d+)/(\d+) clients joined", message)
     if joined:
         return (f"only {joined.group(1)} of the {joined.group(2)} processes joined within --dist-timeout "
-                f"{timeout_s:g} s (WORLD_SIZE={launch.world_size}): start every rank (torchrun --nproc_per_node "
+                f"{timeout_s:g} s (WORLD_SIZE={world_size}): start every rank (torchrun --nproc_per_node "
                 f"starts them all), or check that the other machines reach {where}")
     if re.search(r"failed to connect|connection refused|timed out|timeout", message, re.IGNORECASE):
-        return (f"rank {launch.rank} could not reach rank 0's {where} within "
+        return (f"rank {rank} could not reach rank 0's {where} within "
                 f"--dist-timeout {timeout_s:g} s: is rank 0 running, and is that its address on this network "
                 "(not 127.0.0.1 from another machine)?")
     return None
@@ -191,25 +147,3 @@ def find_free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind(address)
         return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def meeting(launch: Launch, backend: str, dist_url: str, timeout_s: float) -> Iterator[dist.Store | None]:
-    """Around init_process_group: where the processes meet (srun's first node, a store that holds across torchrun's
-    restarts, gloo's network interface across machines); Ctrl-C and the stop signals end the wait at once; a failure
-    to meet ends in one line. Yields the store to meet in (None: init_process_group makes it from dist_url)."""
-    if launch.source == "slurm":
-        os.environ.update(srun_meeting_point(os.environ))
-    if not tcp_store_uses_libuv():
-        os.environ.setdefault("USE_LIBUV", "0")  # read by the store init_process_group makes for env://
-    check_meeting_host(dist_url)
-    if backend == "gloo" and launch.world_size > launch.local_world_size:  # several machines
-        choose_gloo_interface(os.environ, says=launch.local_rank == 0)
-    try:
-        with signals_end_the_wait(launch.rank, "while the processes were meeting"):
-            yield restart_safe_store(launch, datetime.timedelta(seconds=timeout_s)) if dist_url == "env://" else None
-    except Exception as err:  # whatever PyTorch raises: translated where it is a known failure to meet
-        failure = meeting_failure(err, launch, timeout_s, dist_url)
-        if failure is None:
-            raise
-        raise failure from None

@@ -7,7 +7,7 @@ import math
 import torch
 from PIL import Image, ImageDraw
 
-from .step_options import IMAGENET_MEAN, IMAGENET_STD
+from .step import IMAGENET_MEAN, IMAGENET_STD
 
 
 def denormalize(images: torch.Tensor) -> torch.Tensor:

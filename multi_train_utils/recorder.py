@@ -37,7 +37,7 @@ from .config import RunConfig
 from .distributed_utils import DistContext, unwrap_model
 from .errors import UserInputError
 from .files import PARTIAL_SUFFIX, load_file, save_atomic, to_cpu
-from .hooks import Hook, StepEnd
+from .step import Hook, StepEnd
 
 CHECKPOINT_NAME = "checkpoint.pth"
 KEPT_CHECKPOINTS = "checkpoints"  # the older checkpoints that --keep-checkpoints keeps

@@ -2,15 +2,13 @@
 all of them; no process left waiting for a partner or training on alone.
 
 `end_run` is the one place where a run that did not finish ends, in every process of every launcher, through
-`ends_in_one_line`, which run_cli and the spawn script's worker run inside.
+cli.ends_in_one_line, which run_cli and the spawn script's worker run inside.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
-import gc
 import multiprocessing
 import os
 import re
@@ -18,9 +16,8 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
@@ -28,18 +25,18 @@ import torch.distributed as dist
 from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
 from .errors import (
     STOP_SIGNALS,
+    GroupNotFormedError,
     Preempted,
     QuietExit,
     Terminated,
     UserInputError,
     _Ending,
     exit_code,
-    hold_back_ctrl_c,
-    listen_for_stop_signals,
     one_line,
     report,
 )
-from .meeting import GroupNotFormedError, meeting_point
+from .launch import launcher_gone
+from .meeting import meeting_point
 from .recorder import CHECKPOINT_NAME
 from .versions import default_store, has_default_store
 
@@ -48,26 +45,6 @@ from .versions import default_store, has_default_store
 STORE_TIMEOUT_S = 5.0
 Answer = TypeVar("Answer")
 QUIET_EXIT_DELAY_S = 2.0
-LAUNCHER_POLL_S = 1.0
-KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
-
-
-@contextlib.contextmanager
-def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
-                     watch_launcher: bool = False) -> Iterator[SimpleNamespace]:
-    """Run the block as one process of a job, which end_run ends in one line however it ends early (with
-    `watch_launcher`, also when the launcher dies). The block may set the `output_dir` it yields, once known."""
-    listen_for_stop_signals()
-    atexit.unregister(gc.freeze)  # once, however many runs a process makes
-    atexit.register(gc.freeze)  # Python's last collections, at exit, would walk every object torch made (0.7 s)
-    if watch_launcher:
-        stop_when_launcher_dies()
-    ending = SimpleNamespace(output_dir=output_dir)  # where the run's last checkpoint is
-    try:
-        hold_back_ctrl_c(False)  # a Ctrl-C held back while a spawned process imported arrives now (spawn_utils)
-        yield ending
-    except BaseException as err:
-        end_run(err, rank, ending.output_dir)
 
 
 def absorb_later_signals() -> None:
@@ -277,24 +254,3 @@ def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | Non
         return [other for other in range(dist.get_world_size()) if not store.check([f"{mark}/{other}"])]
 
     return store_answer(unmarked, gone=None, longest_s=STORE_TIMEOUT_S + settle_s)
-
-
-def launcher_gone() -> bool:
-    """Whether the launcher this process watches has ended (this process then has another parent)."""
-    return _Ending.launcher is not None and os.getppid() != _Ending.launcher
-
-
-def stop_when_launcher_dies(poll_s: float = LAUNCHER_POLL_S, kill_after_s: float = KILL_AFTER_S) -> None:
-    """Stop this process within seconds if the launcher that started it is killed outright (SIGKILL, the
-    out-of-memory killer) and cannot stop it: it would train on, and write, alone."""
-    _Ending.launcher = os.getppid()
-    threading.Thread(target=watch_the_launcher, args=(poll_s, kill_after_s), name="launcher-watch", daemon=True).start()
-
-
-def watch_the_launcher(poll_s: float, kill_after_s: float) -> None:
-    """SIGTERM this process, the usual clean stop, once the launcher is gone; SIGKILL if that cannot run."""
-    while not launcher_gone():
-        time.sleep(poll_s)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(kill_after_s)  # a main thread stuck waiting for a GPU cannot stop
-    os.kill(os.getpid(), signal.SIGKILL)

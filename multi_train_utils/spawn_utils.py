@@ -16,7 +16,6 @@ from urllib.parse import urlparse
 import torch
 import torch.multiprocessing as mp
 
-from .devices import resolve_device, usable_cpus
 from .errors import (
     CTRL_C_EXIT_CODE,
     REQUEUE_EXIT_CODE,
@@ -27,6 +26,7 @@ from .errors import (
     report,
     system_reason,
 )
+from .launch import resolve_device, usable_cpus
 from .meeting import find_free_port
 
 CPU_PROCESSES_PER_CORE = 4
@@ -130,7 +130,7 @@ def stop_signals_passed_on() -> Iterator[StopSignalPasser]:
     starts: a signal meanwhile must not end the launcher in the middle of starting them, which would leave
     those started so far waiting for the rest of their group. Ctrl-C is held back meanwhile, and the new
     processes start with it held back (a signal mask survives fork and exec): each gets it once it has set up
-    its own handling (shutdown.ends_in_one_line), instead of a traceback from the middle of `import torch`."""
+    its own handling (cli.ends_in_one_line), instead of a traceback from the middle of `import torch`."""
     passer = StopSignalPasser()
     previous = {signum: signal.signal(signum, passer) for signum in (*STOP_SIGNALS, signal.SIGINT)}
     if os.name == "posix":

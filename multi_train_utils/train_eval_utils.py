@@ -5,8 +5,8 @@ train_one_epoch is the tutorial's loop plus what DDP really needs: each process'
 gradients inside backward() (once per group of accumulated batches), and every rank stopping at the same step when
 the loss diverges. evaluate sums its figures over the processes, exactly: no image counted twice, none left out.
 Both take the loss (the criterion) from the script that calls them. How each step runs (precision, memory format,
-accumulation) is step_options.py's; what a run attaches to the loop (checkpoints, stops, features), features.py's,
-through the hooks of hooks.py.
+accumulation) is step.py's, with the hooks through which what a run attaches to the loop (checkpoints, stops,
+features: features.py) meets it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from .distributed_utils import (
 )
 from .errors import NonFiniteLossError
 from .features import attach
-from .hooks import Hook, Hooks, StepEnd
 from .optim import optimizer_steps_per_epoch
-from .step_options import Criterion, StepOptions
+from .step import Criterion, Hook, Hooks, StepEnd, StepOptions
 
 if TYPE_CHECKING:
     from .recorder import RunRecorder
@@ -215,7 +214,8 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
     if run is not None:
         checkpoints = attach(run, model, optimizer, scheduler, options, criterion, train_loader, val_loader, epochs,
                              evaluate, hooks)
-        start_epoch, hooks = checkpoints.resume(run.saved), checkpoints.hooks
+        start_epoch = checkpoints.resume(run.saved) if run.saved.state else 0
+        hooks = checkpoints.hooks
     if start_epoch >= epochs:
         print_main(f"Nothing to train: {start_epoch} epoch(s) trained already; a larger --epochs than {epochs} goes on")
     hooks, result = Hooks(hooks), None

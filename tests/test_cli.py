@@ -214,8 +214,8 @@ def test_one_line_drops_terminal_colour_codes() -> None:
 
 def test_the_last_collections_are_skipped_once_however_many_runs_a_process_makes() -> None:
     code = ("import gc; freeze = gc.freeze; gc.freeze = lambda: (print('frozen', flush=True), freeze())\n"
-            "from multi_train_utils import shutdown\n"
-            "for _ in range(3):\n    with shutdown.ends_in_one_line(0):\n        pass")
+            "from multi_train_utils import cli\n"
+            "for _ in range(3):\n    with cli.ends_in_one_line(0):\n        pass")
     result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr

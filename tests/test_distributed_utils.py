@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, free_port, requires_cuda
-from multi_train_utils import devices, distributed_utils, errors, shutdown
-from multi_train_utils.devices import check_one_gpu_per_process, cpu_share, cpu_threads_for, resolve_device, use_device
+from multi_train_utils import distributed_utils, errors, launch, shutdown
 from multi_train_utils.distributed_utils import (
     get_rank,
     get_world_size,
@@ -28,7 +27,18 @@ from multi_train_utils.distributed_utils import (
     wrap_ddp,
 )
 from multi_train_utils.errors import QuietExit, UserInputError
-from multi_train_utils.launch import SLURM_PORT_BASE, Launch, detect_launch, first_host, srun_meeting_point
+from multi_train_utils.launch import (
+    SLURM_PORT_BASE,
+    Launch,
+    check_one_gpu_per_process,
+    cpu_share,
+    cpu_threads_for,
+    detect_launch,
+    first_host,
+    resolve_device,
+    srun_meeting_point,
+    use_device,
+)
 
 
 def test_torchrun_variables() -> None:
@@ -164,7 +174,7 @@ def test_gpu_of_each_process(monkeypatch: pytest.MonkeyPatch, visible: int, loca
 ])
 def test_a_slurm_task_takes_its_cpus_per_task(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
                                               threads: int) -> None:
-    monkeypatch.setattr(devices, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 8)
     task = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="slurm")
     assert cpu_threads_for(task, env) == threads
     torchrun = Launch(rank=1, local_rank=1, world_size=2, local_world_size=2, source="torchrun")
@@ -195,17 +205,17 @@ def test_a_containers_cpu_quota_counts_as_its_cores(tmp_path: Path, monkeypatch:
     """`docker --cpus`, Kubernetes' CPU limit: the affinity mask shows every core of the machine, and four
     threads sharing two cores' worth of quota run many times slower than two."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
-    assert devices.usable_cpus(*cgroup_tree(tmp_path, own, files)) == cpus
+    assert launch.usable_cpus(*cgroup_tree(tmp_path, own, files)) == cpus
 
 
 def test_a_users_omp_num_threads_is_kept_but_not_torchruns_own_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 8)
     torchrun = Launch(rank=0, local_rank=0, world_size=2, local_world_size=2, source="torchrun")
     spawn = Launch(rank=0, local_rank=0, world_size=2, local_world_size=2, source="spawn")
     assert cpu_threads_for(spawn, {"OMP_NUM_THREADS": "3"}) == 3, "the user's choice"
-    monkeypatch.setattr(devices, "set_before_the_launcher", lambda name: True)
+    monkeypatch.setattr(launch, "set_before_the_launcher", lambda name: True)
     assert cpu_threads_for(torchrun, {"OMP_NUM_THREADS": "3"}) == 3, "set before torchrun started: the user's"
-    monkeypatch.setattr(devices, "set_before_the_launcher", lambda name: False)
+    monkeypatch.setattr(launch, "set_before_the_launcher", lambda name: False)
     assert cpu_threads_for(torchrun, {"OMP_NUM_THREADS": "1"}) == 4, "torchrun's own 1: the cores are shared"
     assert cpu_threads_for(spawn, {"OMP_NUM_THREADS": "zero"}) == 4
 
@@ -230,7 +240,7 @@ def test_a_real_cgroup_quota_is_read(tmp_path: Path) -> None:
         for name, value in limits.items():
             (group / name).write_text(value)
         code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()));"
-                "import time; time.sleep(0.5); from multi_train_utils.devices import usable_cpus;"
+                "import time; time.sleep(0.5); from multi_train_utils.launch import usable_cpus;"
                 "print(usable_cpus())")
         child = subprocess.Popen([sys.executable, "-c", code, str(group / "cgroup.procs")], cwd=REPO,
                                  stdout=subprocess.PIPE, text=True)

@@ -19,9 +19,8 @@ import torch.distributed.run
 
 from conftest import REPO
 from multi_train_utils.cli import parse_args
-from multi_train_utils.devices import check_one_gpu_per_process
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.launch import Launch, detect_launch
+from multi_train_utils.launch import Launch, check_one_gpu_per_process, detect_launch
 
 MANIFEST = REPO / "examples" / "pytorchjob.yaml"
 JOB = "flowers"  # the manifest's metadata.name: the master's Service is "<name>-master-0"

@@ -31,12 +31,12 @@ from conftest import (
     spawned_by,
     torchrun,
 )
-from multi_train_utils import preemption, shutdown
+from multi_train_utils import errors, features
 from multi_train_utils.data import ResumableDistributedSampler, leave_signals_to_the_trainer, loader_start_method
 from multi_train_utils.errors import Preempted
-from multi_train_utils.hooks import StepEnd
 from multi_train_utils.periodic_checkpoints import PeriodicCheckpoints
 from multi_train_utils.recorder import write_checkpoint
+from multi_train_utils.step import StepEnd
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
 FLAGS = [*TINY_FLAGS, "--epochs", "1", "--batch-size", "3", "--lr", "0.002"]
@@ -119,14 +119,14 @@ def test_checkpoints_come_every_n_steps_or_m_minutes(tmp_path: Path, monkeypatch
 def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once_before_or_at_the_deadline(
         tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
-    shutdown.listen_for_stop_signals()
+    errors.listen_for_stop_signals()
     with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run") as saver:
-        stop = preemption.StopAtStep(saver, grace_s=0.5, timeout_s=60, epochs=2)
+        stop = features.StopAtStep(saver, grace_s=0.5, timeout_s=60, epochs=2)
         stop.on_fit_start()
         try:
             os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's early warning: no deadline yet
             time.sleep(1.5)  # the handler has run; nothing is raised: the next step will stop the run
-            assert preemption.stop_signal() == "SIGUSR1"
+            assert features.stop_signal() == "SIGUSR1"
             with pytest.raises(Preempted):  # at the next step, with the checkpoint of that step
                 stop.on_step_end(step_end(0, 3))
             assert torch.load(saver.recorder.checkpoint_path, weights_only=True)["progress"]["step"] == 3

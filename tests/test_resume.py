@@ -26,7 +26,7 @@ from conftest import (
     torchrun,
     write_image,
 )
-from multi_train_utils import checkpoint, errors, files, recorder, shutdown
+from multi_train_utils import checkpoint, errors, files, recorder
 from multi_train_utils.cli import parse_args
 from multi_train_utils.errors import UserInputError
 
@@ -144,7 +144,7 @@ def test_resuming_on_another_world_size_follows_the_lr_of_its_batch(data: Path, 
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from model import create_model
     from multi_train_utils.optim import build_optimizer
-    from multi_train_utils.step_options import StepOptions
+    from multi_train_utils.step import StepOptions
 
     train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
@@ -199,7 +199,7 @@ def test_a_stop_during_a_write_comes_once_the_file_is_whole(tmp_path: Path, monk
         signal.raise_signal(signum)
         real_save(obj, target)
 
-    shutdown.listen_for_stop_signals()
+    errors.listen_for_stop_signals()
     monkeypatch.setattr(torch, "save", signalled_half_way)
     with pytest.raises(stop):
         files.save_atomic({"epoch": 2}, path)

@@ -270,7 +270,7 @@ def test_a_stop_signalled_again_and_again_ends_once_and_quietly(small_data: Path
 DROPPED_IN_A_FINALIZER = """
 import signal, time
 from multi_train_utils.errors import Terminated
-from multi_train_utils.shutdown import listen_for_stop_signals
+from multi_train_utils.errors import listen_for_stop_signals
 
 class Progress:  # like tqdm's bar, whose generator the garbage collector closes
     def __del__(self):

@@ -14,13 +14,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import free_port
-from multi_train_utils import devices, distributed_utils, meeting
+from multi_train_utils import distributed_utils, launch
 from multi_train_utils.cli import parse_args
 from multi_train_utils.confusion import class_figures, class_sums, confusion_image, per_class
 from multi_train_utils.ema import ModelEma, ema_decay_per_step
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.optim import align_schedule, build_optimizer, build_scheduler, cosine, warmup_then
-from multi_train_utils.step_options import StepOptions
+from multi_train_utils.step import StepOptions
 from multi_train_utils.train_eval_utils import train_one_epoch
 
 
@@ -158,9 +158,9 @@ def test_trick_flags_out_of_range_are_one_line(argv: list[str], message: str,
 def test_mps_is_for_one_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(UserInputError, match=r"^--device mps: no Apple GPU is available here"):
-        devices.resolve_device("mps", 0, distributed=False)
+        launch.resolve_device("mps", 0, distributed=False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert devices.resolve_device("mps", 0, distributed=False) == torch.device("mps")
+    assert launch.resolve_device("mps", 0, distributed=False) == torch.device("mps")
     assert parse_args("single", ["--device", "mps"]).device == "mps"
     for launcher in ("launch", "spawn"):
         with pytest.raises(UserInputError, match="DistributedDataParallel has no backend for Apple GPUs"):
@@ -171,11 +171,11 @@ def test_windows_takes_gloo_and_a_store_without_libuv(monkeypatch: pytest.Monkey
     """What a Linux box can check of Windows: the backend and store settings chosen, and a process group of
     one that really starts with them (gloo, the TCPStore without libuv)."""
     cuda = torch.device("cuda", 0)
-    assert distributed_utils.process_group_backend(cuda) == "nccl" and meeting.tcp_store_uses_libuv()
+    assert distributed_utils.process_group_backend(cuda) == "nccl" and launch.tcp_store_uses_libuv()
     monkeypatch.setattr(sys, "platform", "win32")
     assert distributed_utils.process_group_backend(cuda) == "gloo"
     assert distributed_utils.process_group_backend(torch.device("cpu")) == "gloo"
-    assert not meeting.tcp_store_uses_libuv()
+    assert not launch.tcp_store_uses_libuv()
     monkeypatch.delenv("USE_LIBUV", raising=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
