@@ -13,7 +13,6 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from model import build_model
-from multi_train_utils.checkpoint import find_saved_run
 from multi_train_utils.cli import ends_in_one_line, run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
@@ -26,7 +25,7 @@ from multi_train_utils.distributed_utils import (
     wrap_ddp,
 )
 from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
-from multi_train_utils.recorder import RunRecorder
+from multi_train_utils.recorder import RunRecorder, find_saved_run
 from multi_train_utils.spawn_utils import (
     meeting_on_a_free_port,
     processes_to_start,

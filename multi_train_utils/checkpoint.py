@@ -1,12 +1,10 @@
-"""Checkpoints that let a stopped run continue exactly where it was: what they hold, reading the one to resume,
-and where inside an epoch training stands (a checkpoint may be written after any optimizer step). Which file
-is where is recorder.py's; what each flag does on resume, config.py's."""
+"""Checkpoints that let a stopped run continue exactly where it was: what they hold, how a run goes on from one,
+and where inside an epoch training stands (a checkpoint may be written after any optimizer step). Which file is
+where, and finding and reading the one to resume, is recorder.py's; what each flag does on resume, config.py's."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 import random
 import shutil
 import time
@@ -26,22 +24,16 @@ from .distributed_utils import (
     get_world_size,
     is_dist_avail_and_initialized,
     print_main,
-    read_on_main,
     reduce_value,
     unwrap_model,
 )
 from .errors import UserInputError, report
-from .files import load_file, megabytes, to_cpu
+from .files import megabytes, to_cpu
 from .optim import align_schedule, optimizer_steps_per_epoch, scheduled_lr
 from .recorder import (
-    LOCK_NAME,
     RunRecorder,
     SavedRun,
-    checkpoint_to_resume,
     model_weights,
-    newest_readable,
-    refuse_a_folder_in_use,
-    rewinds_here,
     write_checkpoint,
 )
 from .step import Hook, StepEnd, StepOptions
@@ -108,34 +100,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
                 param_state[name] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint at `path`; if it cannot be read, the error names the newest older one that can."""
-    try:
-        checkpoint = load_file(path, "--resume")
-    except UserInputError as err:
-        older = newest_readable(path.parent, but=path)
-        if older is None:
-            raise
-        raise UserInputError(f"{err}; the newest older checkpoint that loads is {older}: go on from it with "
-                             f"--resume {older}") from None
-    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scheduler", "epoch"} <= set(checkpoint):
-        raise UserInputError(f"--resume {path}: not a checkpoint of this project (a plain weights file? "
-                             "start from it with --weights instead)")
-    return checkpoint
 
 
-def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike) -> SavedRun:
-    """The checkpoint to continue from, read by rank 0 and sent to every rank (before the data is read: a
-    resumed run keeps its classes and split)."""
-    return read_on_main(lambda: saved_checkpoint(resume_flag, Path(output_dir)))
 
 
-def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> SavedRun:
-    with contextlib.suppress(OSError), open(output_dir / LOCK_NAME) as lock:  # no lock file: no run in it
-        refuse_a_folder_in_use(output_dir, lock)  # before anything else
-    path = checkpoint_to_resume(resume_flag, output_dir)
-    checkpoint = read_checkpoint(path) if path else None
-    return SavedRun(str(path), checkpoint, rewinds_here(path, checkpoint, output_dir)) if path else SavedRun()
 
 
 def state_dict_mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> str | None:

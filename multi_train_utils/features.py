@@ -45,17 +45,14 @@ def attach(run: RunRecorder, model: nn.Module, optimizer: torch.optim.Optimizer,
     features: list[Hook] = []
     if config.model_ema:
         from .ema import ModelEma  # --model-ema: a moving average of the weights, validated and saved too
-
         features.append(ModelEma.from_config(config, checkpoints, criterion, val_loader, evaluate))
     features.append(StopAtStep(checkpoints, config.stop_grace, config.dist_timeout, epochs))  # SIGTERM, SIGUSR1
     if config.checkpoint_every_steps or config.checkpoint_every_minutes:
         from .periodic_checkpoints import PeriodicCheckpoints  # checkpoints inside epochs too
-
         features.append(PeriodicCheckpoints(checkpoints, config.checkpoint_every_steps,
                                             config.checkpoint_every_minutes, config.dist_timeout))
     if config.freeze_layers:
         from .freezing import FrozenBody  # --freeze-layers: only the classifier trains (until --unfreeze-epoch)
-
         features.append(FrozenBody(checkpoints.model, config.unfreeze_epoch))
     checkpoints.hooks = Hooks([checkpoints, *features, run, *hooks])
     return checkpoints

@@ -1,7 +1,7 @@
 """A run's folder (its --output-dir) and what the run writes there, by rank 0 alone: which file is where, the lock
-that keeps two runs from writing into one folder, the checkpoint to continue from and the older ones kept beside
-it, and RunRecorder, which writes the class list, the split, metrics.jsonl, the weights and TensorBoard's events
-(checkpoint.py: what a checkpoint holds).
+that keeps two runs from writing into one folder, the checkpoint to continue from (found, read and sent to every
+rank: find_saved_run) and the older ones kept beside it, and RunRecorder, which writes the class list, the
+split, metrics.jsonl, the weights and TensorBoard's events (checkpoint.py: what a checkpoint holds).
 
 A folder holds one run, which goes on only from the folder's own checkpoints: resuming a checkpoint from
 elsewhere (another run's, or one of this run's abandoned timelines) into a folder that holds a run is refused.
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .config import RunConfig
-from .distributed_utils import DistContext, unwrap_model
+from .distributed_utils import DistContext, read_on_main, unwrap_model
 from .errors import UserInputError
 from .files import PARTIAL_SUFFIX, load_file, save_atomic, to_cpu
 from .step import Hook, StepEnd
@@ -144,6 +144,36 @@ def rewinds_here(path: Path, checkpoint: dict[str, Any], output_dir: Path) -> bo
         raise UserInputError(f"--resume {path}: stands after {own} ({position_name(current)}), the point this "
                              "folder's run is at; resume it into another --output-dir")
     return current is None or position_key(checkpoint) < position_key(current)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint at `path`; if it cannot be read, the error names the newest older one that can."""
+    try:
+        checkpoint = load_file(path, "--resume")
+    except UserInputError as err:
+        older = newest_readable(path.parent, but=path)
+        if older is None:
+            raise
+        raise UserInputError(f"{err}; the newest older checkpoint that loads is {older}: go on from it with "
+                             f"--resume {older}") from None
+    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "scheduler", "epoch"} <= set(checkpoint):
+        raise UserInputError(f"--resume {path}: not a checkpoint of this project (a plain weights file? "
+                             "start from it with --weights instead)")
+    return checkpoint
+
+
+def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike) -> SavedRun:
+    """The checkpoint to continue from, read by rank 0 and sent to every rank (before the data is read: a
+    resumed run keeps its classes and split)."""
+    return read_on_main(lambda: saved_checkpoint(resume_flag, Path(output_dir)))
+
+
+def saved_checkpoint(resume_flag: str | None, output_dir: Path) -> SavedRun:
+    with contextlib.suppress(OSError), open(output_dir / LOCK_NAME) as lock:  # no lock file: no run in it
+        refuse_a_folder_in_use(output_dir, lock)  # before anything else
+    path = checkpoint_to_resume(resume_flag, output_dir)
+    checkpoint = read_checkpoint(path) if path else None
+    return SavedRun(str(path), checkpoint, rewinds_here(path, checkpoint, output_dir)) if path else SavedRun()
 
 
 def results_in(folder: Path) -> list[str]:

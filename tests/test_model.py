@@ -11,7 +11,7 @@ from torch import nn
 
 import model
 from model import check_model_input, create_model, load_weights
-from multi_train_utils import checkpoint, recorder
+from multi_train_utils import recorder
 from multi_train_utils.distributed_utils import DistContext, batchnorm_batch_size
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.freezing import FrozenBody, classifier_of
@@ -84,7 +84,7 @@ def test_a_file_that_would_run_code_is_named_for_what_it_is_wherever_it_is_loade
     marker, path = tmp_path / "ran", tmp_path / "trap.pth"
     torch.save({"model": RunsACommand(marker), "optimizer": {}, "scheduler": {}, "epoch": 0}, path)
     loads = [lambda: load_weights(create_model("resnet18", 3), str(path), "resnet18"),
-             lambda: checkpoint.read_checkpoint(path)]
+             lambda: recorder.read_checkpoint(path)]
     for load in loads:
         with pytest.raises(UserInputError, match="holds Python objects besides tensors, which are not loaded"):
             load()
@@ -158,7 +158,7 @@ def test_files_of_the_wrong_kind_are_named_in_our_own_words(tmp_path: Path, make
         if flag == "--weights":
             load_weights(create_model("resnet18", 3), str(path), "resnet18")
         else:
-            checkpoint.read_checkpoint(recorder.checkpoint_to_resume(str(path), tmp_path))
+            recorder.read_checkpoint(recorder.checkpoint_to_resume(str(path), tmp_path))
 
 
 @pytest.mark.parametrize(("model", "image_size", "batch_size", "flag"), [

@@ -120,9 +120,9 @@ def test_a_checkpoint_of_another_model_or_class_count_is_a_clear_error(data: Pat
 def test_a_weights_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     torch.save({"conv.weight": torch.zeros(1)}, tmp_path / "plain.pth")
     with pytest.raises(UserInputError, match=r"not a checkpoint of this project .*--weights instead"):
-        checkpoint.read_checkpoint(tmp_path / "plain.pth")
+        recorder.read_checkpoint(tmp_path / "plain.pth")
     with pytest.raises(UserInputError, match=r"--resume .*nothing\.pth: no such file"):
-        checkpoint.read_checkpoint(recorder.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
+        recorder.read_checkpoint(recorder.checkpoint_to_resume(str(tmp_path / "nothing.pth"), tmp_path))
     assert recorder.checkpoint_to_resume("auto", tmp_path / "empty") is None
 
 
@@ -148,7 +148,7 @@ def test_resuming_on_another_world_size_follows_the_lr_of_its_batch(data: Path, 
 
     train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves
-    saved = checkpoint.find_saved_run("auto", tmp_path / "run")
+    saved = recorder.find_saved_run("auto", tmp_path / "run")
     saved_lr = saved.state["optimizer"]["param_groups"][0]["lr"]
     model = create_model("resnet18", 3)
     monkeypatch.setattr(checkpoint, "get_world_size", lambda: 4)
@@ -339,7 +339,7 @@ def test_a_checkpoint_cut_short_names_the_newest_older_one_that_loads(data: Path
     whole = (out / "checkpoint.pth").read_bytes()
     (out / "checkpoint.pth").write_bytes(whole[: len(whole) // 2])  # what a full disk or a broken copy leaves
     with pytest.raises(UserInputError) as caught:
-        checkpoint.find_saved_run("auto", out)
+        recorder.find_saved_run("auto", out)
     assert str(caught.value) == (f"--resume {out / 'checkpoint.pth'}: not a PyTorch file (damaged, cut short, or "
                                  f"another kind of file); the newest older checkpoint that loads is {older}: go on "
                                  f"from it with --resume {older}")

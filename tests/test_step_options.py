@@ -13,7 +13,7 @@ from torch import nn
 import multi_train_utils.versions as versions
 import train_single_gpu
 from conftest import TINY_FLAGS, checkpointer, make_image_folder
-from multi_train_utils import checkpoint, files
+from multi_train_utils import checkpoint, files, recorder
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
 from multi_train_utils.errors import UserInputError
@@ -100,7 +100,7 @@ def test_the_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     with checkpointer(model, optimizer, tmp_path / "run", StepOptions(scaler=scaler)) as saver:
         saver.save_epoch(0)
     options = StepOptions(scaler=torch.amp.GradScaler("cpu"))
-    saved = checkpoint.find_saved_run("auto", tmp_path / "run")
+    saved = recorder.find_saved_run("auto", tmp_path / "run")
     with checkpointer(model, optimizer, tmp_path / "resumed", options) as resumed:
         assert resumed.resume(saved) == 1
     assert options.scaler.get_scale() == 256.0
@@ -112,7 +112,7 @@ def test_a_run_without_fp16_resumes_with_fp16(tmp_path: Path) -> None:
     optimizer = ddp_workers.build_optimizer(model, lr=0.05)
     with checkpointer(model, optimizer, tmp_path / "run") as saver:
         saver.save_epoch(0)
-    saved = checkpoint.find_saved_run("auto", tmp_path / "run")
+    saved = recorder.find_saved_run("auto", tmp_path / "run")
     assert saved.state["scaler"] == {}
     options = StepOptions(scaler=torch.amp.GradScaler("cpu", init_scale=512.0))
     with checkpointer(model, optimizer, tmp_path / "resumed", options) as resumed:
