@@ -94,19 +94,14 @@ def epoch_progress(data_loader: DataLoader, epoch: int, options: StepOptions, mo
                    device: torch.device) -> tuple[StepEnd, tqdm]:
     """Where the epoch stands (summed on the device and read every LOG_EVERY batches: reading them every batch would
     stall the GPU), and its progress bar, which counts the batches a resumed epoch trained before too."""
-    done, batches = batches_done(data_loader)
+    sampler, batch_size = getattr(data_loader, "sampler", None), getattr(data_loader, "batch_size", None) or 1
+    done = getattr(sampler, "skipped", 0) // batch_size  # the batches the run it resumes trained already
+    batches = getattr(sampler, "epoch_length", 0) // batch_size or done + len(data_loader)
     state = StepEnd(epoch, done // options.accum_steps, optimizer_steps_per_epoch(batches, options.accum_steps), 0,
                     torch.zeros((), device=device), torch.zeros((), device=device), model)
     bar = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
                dynamic_ncols=True, initial=done, total=batches)
     return state, bar
-
-
-def batches_done(data_loader: DataLoader) -> tuple[int, int]:
-    """The batches of the epoch trained before (by the run this one resumes) and all of them."""
-    sampler, batch_size = getattr(data_loader, "sampler", None), getattr(data_loader, "batch_size", None) or 1
-    done = getattr(sampler, "skipped", 0) // batch_size
-    return done, getattr(sampler, "epoch_length", 0) // batch_size or done + len(data_loader)
 
 
 def accumulation_group(batch: int, batches: int, accum_steps: int) -> tuple[int, bool]:

@@ -25,10 +25,13 @@ import train_multi_gpu_using_launch
 import train_single_gpu
 from conftest import REPO, TINY_FLAGS, free_port, python, run, script_env, torchrun
 from multi_train_utils.cli import parse_args
+from multi_train_utils.distributed_utils import init_distributed_mode
 from multi_train_utils.train_eval_utils import train_one_epoch
 
 MAX_OWN_FRAMES = 4  # from the entry script's own function down to the one that calls optimizer.step()
 MAX_LOOP_LINES = 60
+LESSON_FILES = {"distributed_utils.py": 250, "train_eval_utils.py": 300}  # lines, at most
+SCREEN = 30  # lines
 ENGINE = REPO / "multi_train_utils"
 APPLICATION = {path.stem for path in REPO.glob("*.py")}
 OPTIONAL_FEATURES = ["ema", "periodic_checkpoints", "freezing", "gpu_decode", "pictures"]
@@ -100,6 +103,18 @@ def test_the_spawn_script_calls_mp_spawn_and_its_workers_are_three_calls_from_th
 
 def test_the_loop_with_its_step_fits_on_one_screen() -> None:
     assert len(inspect.getsource(train_one_epoch).splitlines()) <= MAX_LOOP_LINES
+
+
+def test_the_lesson_is_two_short_files_that_show_it_in_their_first_screen() -> None:
+    """As in the tutorial: distributed_utils.py and train_eval_utils.py, each read in one sitting, and what the
+    lesson is about in sight at once: init_process_group in init_distributed_mode, the backward pass (where DDP
+    averages the gradients) and the optimizer step in train_one_epoch. The rest stands beside them."""
+    for name, most in LESSON_FILES.items():
+        assert len((ENGINE / name).read_text().splitlines()) <= most, f"{name}: longer than {most} lines"
+    joining = inspect.getsource(init_distributed_mode).splitlines()[:SCREEN]
+    assert any("dist.init_process_group(" in line for line in joining)
+    loop = inspect.getsource(train_one_epoch).splitlines()[:SCREEN]
+    assert any(".backward()" in line for line in loop) and any(".step(optimizer)" in line for line in loop)
 
 
 def test_the_loop_runs_with_no_hook_attached_and_the_loss_it_is_given() -> None:
