@@ -216,6 +216,13 @@ class Checkpointer(Hook):
         # The position is kept in samples: with other processes or batches, it is another step.
         self.start.step = self.start.samples_seen // self.samples_per_step
         print_main(f"Resuming from {saved.path} at epoch {self.start.epoch}, step {self.start.step}")
+        if "args" not in checkpoint:
+            print_main(f"--resume {saved.path}: holds no flags (an older or hand-made checkpoint): this command's "
+                       "flags and their defaults are taken as the run's")
+        if "split" not in checkpoint:
+            print_main(f"--resume {saved.path}: holds no split (an older or hand-made checkpoint): the validation "
+                       f"images are drawn again from --data-path with --seed {self.recorder.config.seed}, and differ "
+                       "from the run's if the folder or the seed changed")
         changes = applied_changes(self.recorder.config, checkpoint.get("args") or {})
         if changes:
             print_main(f"Changed on resume, applied from here on and kept in the checkpoints: {', '.join(changes)}")

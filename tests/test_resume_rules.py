@@ -311,15 +311,22 @@ def test_unfreezing_after_the_last_epoch_is_refused() -> None:
         parse_args("single", ["--freeze-layers", "--unfreeze-epoch", "5", "--epochs", "1"])
 
 
-def test_a_checkpoint_without_random_states_resumes_and_says_what_that_costs(two_epochs: Path, tmp_path: Path,
-                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("key", "said"), [
+    ("rng", "holds no random states (an older or hand-made checkpoint): the random augmentations are drawn anew"),
+    ("split", "holds no split (an older or hand-made checkpoint): the validation images are drawn again from "
+              "--data-path with --seed 0"),
+    ("args", "holds no flags (an older or hand-made checkpoint): this command's flags and their defaults are "
+             "taken as the run's"),
+])
+def test_a_checkpoint_without_a_part_resumes_and_says_what_that_costs(two_epochs: Path, data: Path, tmp_path: Path,
+                                                                       key: str, said: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     out = copy_of(two_epochs, tmp_path)
     checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
-    del checkpoint["rng"]
+    del checkpoint[key]
     torch.save(checkpoint, out / "checkpoint.pth")
-    resume(out, "--epochs", "3")
-    assert "holds no random states (an older or hand-made checkpoint): the random augmentations are drawn anew" \
-           in capsys.readouterr().out
+    resume(out, "--data-path", str(data), *FLAGS, "--epochs", "3")  # the run's flags: without args, nothing says them
+    assert said in capsys.readouterr().out
     assert len(strict_lines(out / "metrics.jsonl")) == 3
 
 
