@@ -1,12 +1,14 @@
 """The ways a run ends early, as exceptions; the one line that says why; how stop signals and Ctrl-C are caught
-from the first moment; and the refusal of a PyTorch older than supported. Standard library only: the scripts
-import this before anything slow (torch), and the PyTorch check reads torch's version.py instead of importing it
-(torch takes seconds, importlib.metadata a tenth of one, while Ctrl-C is not yet caught)."""
+from the first moment, and an output that closes costs nothing; and the refusal of a PyTorch older than
+supported. Standard library only: the scripts import this before anything slow (torch), and the PyTorch check
+reads torch's version.py instead of importing it (torch takes seconds, importlib.metadata a tenth of one, while
+Ctrl-C is not yet caught)."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import os
 import re
 import signal
@@ -16,13 +18,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NoReturn, TextIO
+from typing import Any, NoReturn, TextIO
 
 from .versions import OLDEST_TORCH, OLDEST_TORCHVISION, dotted
 
 # SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
-# scheduler sends last.
-STOP_SIGNALS = (signal.SIGTERM,) if sys.platform == "win32" else (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# scheduler sends last; SIGHUP what a closed terminal or ssh session sends (torchrun passes it on).
+STOP_SIGNALS = (signal.SIGTERM,) if sys.platform == "win32" else (
+    signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 # 128 + the signal: what a process ended by it reports. Kubernetes' ExitCode restart policy retries 128-255, and
 # the sbatch script of docs/clusters.md requeues the job on 143.
 REQUEUE_EXIT_CODE = 128 + signal.SIGTERM
@@ -127,8 +130,55 @@ def system_reason(err: OSError) -> str:
 
 
 def quiet_ctrl_c_while_starting() -> None:
-    """Ctrl-C while the script imports torch (seconds) ends it in one line and 130; run_cli replaces this."""
+    """Ctrl-C while the script imports torch (seconds) ends it in one line and 130; run_cli replaces this. And
+    from now on, an output that is closed or goes away costs the run nothing (outputs_may_close)."""
     signal.signal(signal.SIGINT, stopped_while_starting)
+    outputs_may_close()
+
+
+def outputs_may_close() -> None:
+    """Keep training when stdout or stderr is closed from the start (`1>&-`, a service) or its reader goes away
+    (`| head`, a closed terminal): what is written there then goes nowhere, instead of failing the run."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = getattr(sys, name)
+        if stream is None:  # its descriptor is free: the next file opened would get it, and C++'s writes with it
+            nowhere = os.open(os.devnull, os.O_WRONLY)
+            if nowhere != fd:
+                os.dup2(nowhere, fd)
+                os.close(nowhere)
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115 (the process's own)
+        elif type(stream) is io.TextIOWrapper:  # Python's own; not a test's capture
+            setattr(sys, name, OutputThatMayClose(stream))
+
+
+class OutputThatMayClose:
+    """A text stream whose reader may go away: from then on it writes to os.devnull (its descriptor too, so that
+    C++'s writes and the interpreter's last flush go there as well)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self.send_to_nowhere()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self.send_to_nowhere()
+
+    def send_to_nowhere(self) -> None:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, self.stream.fileno())
+        os.close(nowhere)
+        self.stream.flush()  # what was held for the pipe
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, reconfigure: the stream's own
+        return getattr(self.stream, name)
 
 
 def stopped_while_starting(signum: int, frame: object) -> None:

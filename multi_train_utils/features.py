@@ -68,29 +68,32 @@ def stop_signal() -> str | None:
     return StopRequest.current.signal_name if StopRequest.current else None
 
 
+# The stop signals a kill follows: a scheduler's SIGTERM; SIGHUP, which torchrun passes on and kills 30 s later.
+KILL_FOLLOWS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
 class StopRequest:
     """The stop signals of one training run: while it runs they only set a flag, which the ranks compare after
-    each optimizer step. SIGTERM also starts a deadline of `grace_s` (stop_at_the_deadline)."""
+    each optimizer step. SIGTERM and SIGHUP also start a deadline of `grace_s` (stop_at_the_deadline)."""
 
     current: StopRequest | None = None  # the run's, while one trains in this process
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s, self.signal_name, self.at_steps = grace_s, None, True
         self.lock = threading.Lock()  # orders the end of training and the deadline
-        self.sigterm = threading.Event()  # SIGTERM came: the scheduler's kill follows within its grace period
+        self.kill_follows = threading.Event()  # the scheduler's (or torchrun's) kill follows within its grace period
         self.training_over = threading.Event()
 
     def on_signal(self, signum: int, frame: object) -> None:
         # A handler only sets flags: it interrupts the main thread anywhere, even inside a lock it would need.
         self.signal_name = self.signal_name or signal.Signals(signum).name
-        if signum == signal.SIGTERM:
-            self.sigterm.set()
+        if signum in KILL_FOLLOWS:
+            self.kill_follows.set()
         if not self.at_steps:  # past the last step or past the deadline: no step will come to stop at
             stop_now(signum)
 
     def watch_the_deadline(self) -> None:
-        """In a thread of its own: wait for a SIGTERM, then keep its deadline."""
-        while not self.sigterm.wait(0.5):
+        """In a thread of its own: wait for a SIGTERM or SIGHUP, then keep its deadline."""
+        while not self.kill_follows.wait(0.5):
             if self.training_over.is_set():
                 return
         stop_at_the_deadline(self)

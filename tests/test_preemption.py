@@ -116,8 +116,9 @@ def test_checkpoints_come_every_n_steps_or_m_minutes(tmp_path: Path, monkeypatch
         assert saved == [(0, 2)]
 
 
+@pytest.mark.parametrize("last_word", ["SIGTERM", "SIGHUP"])  # a scheduler's; a closed terminal's
 def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once_before_or_at_the_deadline(
-        tmp_path: Path) -> None:
+        tmp_path: Path, last_word: str) -> None:
     model = nn.Linear(2, 2)
     errors.listen_for_stop_signals()
     with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run") as saver:
@@ -131,7 +132,7 @@ def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once
                 stop.on_step_end(step_end(0, 3))
             assert torch.load(saver.recorder.checkpoint_path, weights_only=True)["progress"]["step"] == 3
             with pytest.raises(SystemExit) as stopped:
-                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's last word: the kill follows
+                os.kill(os.getpid(), getattr(signal, last_word))  # the last word: the kill follows
                 started = time.monotonic()
                 time.sleep(10)  # a rank that never reaches its next step (a long validation, a hung loader)
             assert stopped.value.code == 143 and time.monotonic() - started < 2, "stopped at the deadline"

@@ -79,7 +79,9 @@ def port_is_free(port: int) -> bool:
     # torchrun's agent killed outright (or by SIGUSR1, which it does not handle) cannot stop its workers: they
     # must notice by themselves, and not ask the store that went with it.
     pytest.param("torchrun", "sigkill", marks=pytest.mark.every_launcher),
-    pytest.param("torchrun", "sigusr1", marks=pytest.mark.every_launcher)])
+    pytest.param("torchrun", "sigusr1", marks=pytest.mark.every_launcher),
+    # A closed terminal or ssh session: a stop like SIGTERM, one step finished and saved (torchrun passes it on).
+    ("spawn", "sighup"), pytest.param("torchrun", "sighup", marks=pytest.mark.every_launcher)])
 def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: str) -> None:
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
     out, port = tmp_path / "run", free_port()
@@ -134,8 +136,8 @@ def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: 
     assert port_is_free(port) or launcher == "single"
     assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] >= 0
     assert not list(out.glob(".*.partial"))
-    if stop == "sigterm":  # the step (or the epoch, if it came during validation) where every rank stopped
-        assert re.search(r"Stopped by SIGTERM (at epoch \d+, step \d+|after epoch \d+); its checkpoint is ",
+    if stop in ("sigterm", "sighup"):  # the step (or the epoch, if it came during validation) where every rank stopped
+        assert re.search(rf"Stopped by {stop.upper()} (at epoch \d+, step \d+|after epoch \d+); its checkpoint is ",
                          output, re.MULTILINE), output[-3000:]
 
 
