@@ -41,11 +41,8 @@ def save_atomic(obj: object, path: Path) -> None:
     removes its temporary file, so that it does not keep the disk full, and ends in one line."""
     try:
         handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX)
-    except FileNotFoundError:
-        raise UserInputError(f"cannot write {path}: its folder {path.parent} is gone (deleted while the run "
-                             "wrote to it?)") from None
     except OSError as err:
-        raise UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}") from None
+        raise cannot_write(path, err) from None
     try:
         os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp's file is private; a saved file is not
         with stops_held():
@@ -84,6 +81,15 @@ def current_umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
+
+
+def cannot_write(path: Path, err: OSError) -> UserInputError:
+    """A write into `path`'s folder that failed, in one line: the folder deleted while the run wrote to it, a
+    full disk, or the system's reason."""
+    if isinstance(err, FileNotFoundError):
+        return UserInputError(f"cannot write {path}: its folder {path.parent} is gone (deleted while the run wrote "
+                              "to it?)")
+    return UserInputError(f"cannot write {path}: {why_a_write_failed(err, path.parent)}")
 
 
 def why_a_write_failed(err: BaseException, folder: Path, needed: int = 0) -> str:

@@ -19,6 +19,8 @@ import os
 import shlex
 import shutil
 import socket
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -36,7 +38,7 @@ from torch import nn
 from .config import RunConfig
 from .distributed_utils import DistContext, read_on_main, unwrap_model
 from .errors import UserInputError
-from .files import PARTIAL_SUFFIX, load_file, save_atomic, to_cpu
+from .files import PARTIAL_SUFFIX, cannot_write, load_file, save_atomic, to_cpu
 from .step import Hook, StepEnd
 
 CHECKPOINT_NAME = "checkpoint.pth"
@@ -420,13 +422,22 @@ class RunRecorder(Hook):
 
     # TensorBoard, under --output-dir/tensorboard. Opened at the first figure, after the first step: importing
     # it takes a second. purge_step: a resumed run drops what the stopped one drew after its checkpoint.
-    def tensorboard(self, purge_step: int) -> Any:
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+    # Its writes fail in a thread of its own, which passes the error on to the writer's next call: that is where
+    # a write that failed (the folder deleted while the run wrote to it, a full disk) ends the run in one line.
+    @contextlib.contextmanager
+    def curves(self, purge_step: int) -> Iterator[Any]:
+        folder = self.output_dir / "tensorboard"
+        try:
+            if self.writer is None:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=purge_step or None)
-            self.writer.add_text("args", args_table(self.config.as_saved()))
-        return self.writer
+                if getattr(threading.excepthook, "func", None) is not quiet_writer_thread:  # once a process
+                    threading.excepthook = functools.partial(quiet_writer_thread, threading.excepthook)
+                self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step or None)
+                self.writer.add_text("args", args_table(self.config.as_saved()))
+            yield self.writer
+        except OSError as err:
+            raise cannot_write(folder, err) from None
 
     def on_first_batch(self, images: Any, labels: torch.Tensor) -> None:
         if self.enabled and self.writer is None and not self.saved.state:  # the run's very first batch
@@ -438,35 +449,40 @@ class RunRecorder(Hook):
         rarely what one imagines)."""
         if not self.enabled or (step.run_step % STEP_LOG_EVERY and self.first_batch is None):
             return
-        writer = self.tensorboard(step.run_step)
-        if self.first_batch is not None:
-            from .pictures import batch_grid
+        with self.curves(step.run_step) as writer:
+            if self.first_batch is not None:
+                from .pictures import batch_grid
 
-            grid = batch_grid(*self.first_batch, self.class_names)
-            writer.add_image("first_training_batch", np.asarray(grid), 0, dataformats="HWC")
-            self.first_batch = None
-        if step.run_step % STEP_LOG_EVERY == 0:
-            for name, value in step.figures.items():
-                writer.add_scalar(f"step/{name}", float(value), step.run_step)
+                grid = batch_grid(*self.first_batch, self.class_names)
+                writer.add_image("first_training_batch", np.asarray(grid), 0, dataformats="HWC")
+                self.first_batch = None
+            if step.run_step % STEP_LOG_EVERY == 0:
+                for name, value in step.figures.items():
+                    writer.add_scalar(f"step/{name}", float(value), step.run_step)
 
     def draw_epoch(self, metrics: dict[str, Any], confusion: torch.Tensor | None, run_step: int) -> None:
         """Every float of the epoch's metrics as a curve (whole numbers are counts and positions), and the
         confusion matrix as a picture, with a slider over the epochs, under Images."""
-        writer = self.tensorboard(run_step)
-        for name, value in metrics.items():
-            if isinstance(value, float):
-                writer.add_scalar(name, value, run_step)
-        if confusion is not None:
-            from .confusion import confusion_image
+        with self.curves(run_step) as writer:
+            for name, value in metrics.items():
+                if isinstance(value, float):
+                    writer.add_scalar(name, value, run_step)
+            if confusion is not None:
+                from .confusion import confusion_image
 
-            picture = confusion_image(confusion.cpu(), self.class_names, f"Confusion matrix, epoch {metrics['epoch']}")
-            writer.add_image("confusion_matrix", np.asarray(picture), run_step, dataformats="HWC")
-        writer.flush()
+                title = f"Confusion matrix, epoch {metrics['epoch']}"
+                picture = confusion_image(confusion.cpu(), self.class_names, title)
+                writer.add_image("confusion_matrix", np.asarray(picture), run_step, dataformats="HWC")
+            writer.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        try:
             if self.writer is not None:
-                self.writer.close()
+                with self.curves(0):
+                    self.writer.close()
+        finally:
             self.metrics_file.close()
             self.lock.close()  # lets the next run into this folder start
 
@@ -475,10 +491,18 @@ class RunRecorder(Hook):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        with contextlib.suppress(UserInputError) if exc else contextlib.nullcontext():  # the first error says it
+            self.close()
 
 
 def args_table(args: dict[str, Any]) -> str:
     """The run's arguments as a Markdown table, which TensorBoard's Text tab shows as a table."""
     rows = [f"| {name} | {value} |" for name, value in sorted(args.items())]
     return "\n".join(["| argument | value |", "| --- | --- |", *rows])
+
+
+def quiet_writer_thread(previous: Callable[[threading.ExceptHookArgs], Any], args: threading.ExceptHookArgs) -> None:
+    """threading.excepthook: TensorBoard's writer thread passes its error on to the run (RunRecorder.curves),
+    which says it in one line; its page of traceback would only come first."""
+    if not type(args.thread).__module__.startswith("tensorboard."):
+        previous(args)

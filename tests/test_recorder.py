@@ -224,3 +224,15 @@ def test_the_disk_check_counts_the_tensors_and_passes_over_a_modules_extra_state
     checkpoint.warn_if_the_disk_is_short(tmp_path, model, optimizer, epochs_with_weights=1)
     # the checkpoint (weights and momentum), best.pth and one model-N.pth: 4 x 4,004,000 bytes
     assert "the run writes about 15.3 MB" in capsys.readouterr().err
+
+
+def test_a_folder_deleted_while_the_run_writes_to_it_ends_the_run_in_one_line(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "run"
+    gone = r"^cannot write .*/run/tensorboard: its folder .*/run is gone \(deleted"
+    with pytest.raises(UserInputError, match=gone), RunRecorder(config_in(folder), single_process("cpu"),
+                                                                 SPLIT) as recorder:
+        record(recorder, range(1))
+        shutil.rmtree(folder)
+        record(recorder, range(1, 2))  # TensorBoard's writer thread fails first; its next call says so
+    assert "Traceback" not in capfd.readouterr().err  # nor the writer thread's page
