@@ -7,9 +7,12 @@ train on it.
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import torch
+from PIL import Image
 
 from multi_train_utils.cli import (
     DATA_DEFAULTS,
@@ -36,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=at_least(1, 1024), default=16, help="images in the grid")
     parser.add_argument("--seed", type=at_least(0, MAX_SEED), default=0,
                         help="seed for the split, the shuffle and the crops")
-    parser.add_argument("--out", type=path_text, default="first_batch.png", help="PNG file to write")
+    parser.add_argument("--out", type=picture_file, default="first_batch.png",
+                        help="picture file to write (.png, .jpg, ...)")
     args = parser.parse_args(argv)
     image_size = args.image_size or (DATA_DEFAULTS if args.data_path else DEMO_DEFAULTS)["image_size"]
     torch.manual_seed(args.seed)
@@ -50,6 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as err:
         raise UserInputError(f"--out {args.out}: cannot write there ({system_reason(err)})") from None
     print(f"Wrote {written}")
+
+
+def picture_file(text: str) -> str:
+    """A path whose suffix names a format Pillow writes."""
+    Image.init()  # registers every format Pillow has
+    if Image.registered_extensions().get(Path(path_text(text)).suffix.lower()) not in Image.SAVE:
+        raise argparse.ArgumentTypeError(f"expected a picture file (.png, .jpg, ...), got {text!r}")
+    return text
 
 
 if __name__ == "__main__":

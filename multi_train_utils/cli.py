@@ -72,23 +72,25 @@ def path_text(text: str) -> str:
     return text
 
 
-def positive_float(text: str, at_most: float = math.inf, zero: bool = False) -> float:
-    """A finite number above 0 (or 0 itself, with `zero`) and at most `at_most`: "inf" and "nan" parse as floats,
-    but train nothing."""
+def positive_float(text: str, at_most: float = math.inf, zero: bool = False, least: float = 0.0) -> float:
+    """A finite number above 0 (or 0 itself, with `zero`), at least `least` (where the program cannot use less)
+    and at most `at_most`: "inf" and "nan" parse as floats, but train nothing."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
         raise argparse.ArgumentTypeError(f"must be a finite number {'of 0 or more' if zero else 'above 0'}, got {text}")
+    if value < least and value != 0:
+        raise argparse.ArgumentTypeError(f"must be {'0 or ' if zero else ''}at least {least:g}, got {text}")
     if value > at_most:
         raise argparse.ArgumentTypeError(f"must be at most {at_most:g}, got {text}")
     return value
 
 
-def non_negative_float(text: str, at_most: float = math.inf) -> float:
-    """A finite number from 0 up to `at_most`."""
-    return positive_float(text, at_most, zero=True)
+def non_negative_float(text: str, at_most: float = math.inf, least: float = 0.0) -> float:
+    """A finite number, 0 or from `least` up to `at_most`."""
+    return positive_float(text, at_most, zero=True, least=least)
 
 
 def fraction(text: str) -> float:
@@ -134,6 +136,8 @@ def decay(text: str) -> float:
 # is multiplied by the processes and the accumulated batches, then by float32 gradients): a typo.
 MAX_IMAGE_SIZE = 4096
 MAX_LR = 1e6
+# Beta(alpha, alpha) draws a share, MixUp's and CutMix's; below 0.001 its float32 samples fail or come out 0.5.
+ALPHA = partial(non_negative_float, at_most=100.0, least=0.001)
 MAX_SEED = 2**31 - 1  # NumPy takes seeds up to 2**32 - 1, and each rank adds its rank
 WORKERS_PER_CPU = 4
 
@@ -196,12 +200,11 @@ FLAGS = {
     # opt-in tricks of torchvision's references and timm; off, the step is the tutorial's
     "--label-smoothing": dict(type=below_one, default=0.0, help="the target of the loss: 1 - s on the true class, s "
                               "spread evenly over all classes (0: off; 0.1 is usual)"),
-    "--mixup-alpha": dict(type=partial(non_negative_float, at_most=100.0), default=0.0, help="MixUp: each training "
-                          "batch blends pairs of images and their labels by a share drawn from Beta(alpha, alpha) "
-                          "(0: off; 0.2 is usual)"),
-    "--cutmix-alpha": dict(type=partial(non_negative_float, at_most=100.0), default=0.0, help="CutMix: a box of one "
-                           "training image pasted into another, the labels mixed by its area (0: off; 1.0 is "
-                           "usual); with --mixup-alpha as well, one of the two for each batch"),
+    "--mixup-alpha": dict(type=ALPHA, default=0.0, help="MixUp: each training batch blends pairs of images and "
+                          "their labels by a share drawn from Beta(alpha, alpha) (0: off; 0.2 is usual)"),
+    "--cutmix-alpha": dict(type=ALPHA, default=0.0, help="CutMix: a box of one training image pasted into another, "
+                           "the labels mixed by its area (0: off; 1.0 is usual); with --mixup-alpha as well, one of "
+                           "the two for each batch"),
     "--clip-grad-norm": dict(type=partial(positive_float, at_most=1e6), default=None, help="scale the gradients "
                              "down where their total L2 norm exceeds this (default: no limit)"),
     "--model-ema": dict(**BOOLEAN, default=False, help="also keep, validate and save a moving average of the "
@@ -252,8 +255,9 @@ MULTI_PROCESS_FLAGS = {
                         "bytes per all-reduce)"),
     "--dist-url": dict(default="env://", help="how processes find each other: env:// reads MASTER_ADDR/PORT, or "
                        "tcp://HOST:PORT, file://PATH"),
-    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6), default=DIST_TIMEOUT_S, help="seconds a "
-                           "collective may wait for the other processes before the job fails"),
+    "--dist-timeout": dict(type=partial(positive_float, at_most=1e6, least=1.0), default=DIST_TIMEOUT_S,
+                           help="seconds a collective may wait for the other processes before the job fails (at "
+                           "least 1: the processes need that to meet)"),
 }
 SPAWN_FLAGS = {"--world-size": dict(type=at_least(1), default=None, help="number of processes to start (default: "
                                     "one per visible GPU, or 2 on CPU)")}

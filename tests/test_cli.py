@@ -63,6 +63,9 @@ def test_zero_is_zero_however_it_is_written(zero: str) -> None:
                                   ["--lr", "1e308"], ["--lr", "1e7"], ["--dist-timeout", "1e308"],
                                   ["--weight-decay", "1e300"], ["--weight-decay", "-0.1"], ["--stop-grace", "1e300"],
                                   ["--checkpoint-every-minutes", "1e300"], ["--clip-grad-norm", "1e300"],
+                                  # short of what the program can use: too short to meet; a Beta that fails
+                                  ["--dist-timeout", "0.001"], ["--cutmix-alpha", "1e-300"],
+                                  ["--mixup-alpha", "1e-40"],
                                   # an empty path: a shell variable that is not set, as in --data-path "$DATA"
                                   ["--data-path", ""], ["--output-dir", " "], ["--resume", ""]])
 def test_out_of_range_values_are_refused_naming_the_flag(argv: list[str], capsys: pytest.CaptureFixture) -> None:

@@ -203,6 +203,7 @@ def test_plot_data_loader_image_saves_a_png(image_folder: Path, tmp_path: Path) 
 @pytest.mark.parametrize(("flags", "start"), [
     (["--out", "{tmp}/a_file/batch.png"], "--out {tmp}/a_file/batch.png: cannot write there"),
     (["--batch-size", "0"], "argument --batch-size: must be at least 1"),
+    (["--out", "{tmp}/batch.txt"], "argument --out: expected a picture file (.png, .jpg, ...), got '{tmp}/batch.txt'"),
     (["--data-path", "{tmp}/a_file"], "--data-path {tmp}/a_file: not a folder")])
 def test_show_batch_says_what_is_wrong_in_one_line(image_folder: Path, tmp_path: Path, flags: list[str],
                                                    start: str) -> None:
