@@ -48,7 +48,7 @@ def main(args: RunConfig) -> None:
 
 
 def worker(rank: int, world_size: int, args: RunConfig) -> None:
-    with ends_in_one_line(rank, args.output_dir, watch_launcher=True):  # as run_cli does under a launcher
+    with ends_in_one_line(rank, args, watch_launcher=True):  # as run_cli does under a launcher
         ctx = init_distributed_mode(args.device, args.dist_url, args.dist_timeout, rank, world_size)
         train(args, ctx)
         cleanup()  # should train() fail, ends_in_one_line leaves the process group instead

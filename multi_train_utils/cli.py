@@ -334,21 +334,21 @@ def flag_combination_problem(config: RunConfig, given: set[str], launcher: Launc
 
 
 @contextlib.contextmanager
-def ends_in_one_line(rank: int, output_dir: str | os.PathLike | None = None,
+def ends_in_one_line(rank: int, config: RunConfig | None = None,
                      watch_launcher: bool = False) -> Iterator[SimpleNamespace]:
     """Run the block as one process of a job, which end_run ends in one line however it ends early (with
-    `watch_launcher`, also when the launcher dies). The block may set the `output_dir` it yields, once known."""
+    `watch_launcher`, also when the launcher dies). The block may set the run's `config` it yields, once known."""
     listen_for_stop_signals()
     atexit.unregister(gc.freeze)  # once, however many runs a process makes
     atexit.register(gc.freeze)  # Python's last collections, at exit, would walk every object torch made (0.7 s)
     if watch_launcher:
         stop_when_launcher_dies()
-    ending = SimpleNamespace(output_dir=output_dir)  # where the run's last checkpoint is
+    ending = SimpleNamespace(config=config)  # where the run's last checkpoint is, and what it asked of memory
     try:
         hold_back_ctrl_c(False)  # a Ctrl-C held back while a spawned process imported arrives now (spawn_utils)
         yield ending
     except BaseException as err:
-        end_run(err, rank, ending.output_dir)
+        end_run(err, rank, ending.config)
 
 
 def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
@@ -362,7 +362,7 @@ def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
             rank, under_a_launcher = launch.rank, launch.source != "single"
     with ends_in_one_line(rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
-        ending.output_dir = args.output_dir  # the stop line names the run's last checkpoint
+        ending.config = args  # the stop line names the run's last checkpoint
         check_before_start(args)
         main(args)
 

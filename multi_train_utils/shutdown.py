@@ -20,8 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+import torch
 import torch.distributed as dist
 
+from .config import RunConfig
 from .distributed_utils import barrier, cleanup, is_dist_avail_and_initialized
 from .errors import (
     STOP_SIGNALS,
@@ -56,7 +58,7 @@ def absorb_later_signals() -> None:
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signal.SIGINT))
 
 
-def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None = None) -> NoReturn:
+def end_run(err: BaseException, rank: int, config: RunConfig | None = None) -> NoReturn:
     """End this process after `err`: rank 0 explains, the others end quietly.
 
     Once the processes are connected, the one that explains is the first to stop (a mistake found by rank 1
@@ -68,7 +70,7 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     if isinstance(err, SystemExit) and err.code in (None, 0):
         raise err
     absorb_later_signals()
-    checkpoint = Path(output_dir) / CHECKPOINT_NAME if output_dir else None
+    checkpoint = Path(config.output_dir) / CHECKPOINT_NAME if config else None
     if isinstance(err, QuietExit):  # already said, by another process or by this one
         cleanup(failed=True)
         raise err
@@ -86,7 +88,7 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     if launcher_gone() and not signalled:
         # Whatever broke, the launcher's end caused it: a partner whose watch saw it first left a collective.
         err, signalled = Terminated(), True
-    reason = err if signalled else collective_failure(err, rank) or err
+    reason = err if signalled else collective_failure(err, rank) or out_of_memory(err, config, checkpoint) or err
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
     if isinstance(reason, LostPeerError) and multiprocessing.parent_process() is not None:
         explains = False  # the spawn script, this process's parent, names the one that died, and how
@@ -104,6 +106,18 @@ def end_run(err: BaseException, rank: int, output_dir: str | os.PathLike | None 
     elif not isinstance(reason, SystemExit):
         report(f"rank {rank} failed:\n{''.join(traceback.format_exception(reason)).rstrip()}")
     raise QuietExit(code) from None
+
+
+def out_of_memory(err: BaseException, config: RunConfig | None, checkpoint: Path | None) -> UserInputError | None:
+    """An allocation that failed, on a GPU or on the CPU, as one line that names what to lower; else None."""
+    on_the_cpu = isinstance(err, RuntimeError) and "can't allocate memory" in str(err)  # DefaultCPUAllocator's
+    if not (isinstance(err, torch.OutOfMemoryError) or on_the_cpu) or config is None:
+        return None
+    kept = f"; the last checkpoint, {checkpoint}, is kept" if checkpoint and checkpoint.is_file() else ""
+    return UserInputError(f"out of memory on the {'CPU' if on_the_cpu else 'GPU'} with --batch-size "
+                          f"{config.batch_size} and --image-size {config.image_size}: lower one of them (half the "
+                          f"--batch-size with --accum-steps {2 * config.accum_steps} trains on the same batch per "
+                          f"step){kept}")
 
 
 def stopped_line(stop: BaseException, checkpoint: Path | None) -> str:

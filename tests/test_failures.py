@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -418,3 +419,36 @@ def test_more_accumulated_batches_than_an_epoch_has_are_refused(data: Path, tmp_
     one_line_error(result, "--accum-steps 1024: more than the 6 batches each process trains on in an epoch; "
                            "at most 6")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_the_cpu_is_one_line_naming_what_to_lower(data: Path, tmp_path: Path) -> None:
+    limit = 4500 * 2**20  # the address space a process may map: torch's libraries fit, a 1024-pixel batch does not
+    proc = subprocess.run([*SCRIPTS["single"], "--data-path", str(data), "--output-dir", str(tmp_path / "run"),
+                           *TINY_FLAGS, "--image-size", "1024", "--batch-size", "12"], cwd=REPO, env=script_env(),
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    assert proc.returncode == 2
+    one_line_error(proc, "error: out of memory on the CPU with --batch-size 12 and --image-size 1024: lower one of "
+                         "them (half the --batch-size with --accum-steps 2 trains on the same batch per step)")
+
+
+def test_out_of_memory_on_a_gpu_is_one_line_and_keeps_the_last_checkpoint(data: Path, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from multi_train_utils import train_eval_utils
+
+    def the_gpu_fills_in_the_second_epoch(*args: object, **kwargs: object) -> float:
+        if args[5] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return train_one_epoch(*args, **kwargs)
+
+    train_one_epoch = train_eval_utils.train_one_epoch
+    monkeypatch.setattr(train_eval_utils, "train_one_epoch", the_gpu_fills_in_the_second_epoch)
+    out = tmp_path / "run"
+    result = run_single_in_this_process(["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
+                                         "--epochs", "2", "--accum-steps", "2"])
+    assert result.returncode == 2
+    one_line_error(result, f"error: out of memory on the GPU with --batch-size 4 and --image-size 16: lower one of "
+                           f"them (half the --batch-size with --accum-steps 4 trains on the same batch per step); the "
+                           f"last checkpoint, {out / 'checkpoint.pth'}, is kept")
+    assert torch.load(out / "checkpoint.pth", weights_only=True)["epoch"] == 0
