@@ -23,7 +23,7 @@ from .config import RunConfig, bound_change, saved_values
 from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S
 from .errors import UserInputError, hold_back_ctrl_c, listen_for_stop_signals, path_kind
 from .files import check_readable_file
-from .launch import detect_launch, stop_when_launcher_dies, usable_cpus
+from .launch import Launch, detect_launch, stop_when_launcher_dies, usable_cpus
 from .optim import OPTIMIZERS, SCHEDULES
 from .recorder import trained_flags
 from .shutdown import end_run
@@ -355,16 +355,27 @@ def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
             argv: Sequence[str] | None = None) -> None:
     """Parse the flags, check them against the files, run `main`; however it ends early, it ends in one line
     (ends_in_one_line)."""
-    rank, under_a_launcher = 0, False
-    if launcher == "launch":  # this process may be any rank of a launcher's job, and the launcher may die first
-        with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too
-            launch = detect_launch(os.environ)
-            rank, under_a_launcher = launch.rank, launch.source != "single"
-    with ends_in_one_line(rank, watch_launcher=under_a_launcher) as ending:
+    launch = Launch(0, 0, 1, 1, "single")
+    with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too
+        launch = detect_launch(os.environ)  # this process may be any rank of a launcher's job
+    under_a_launcher = launcher == "launch" and launch.source != "single"  # and the launcher may die first
+    with ends_in_one_line(launch.rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
         ending.config = args  # the stop line names the run's last checkpoint
+        refuse_the_wrong_launcher(launcher, launch)
         check_before_start(args)
         main(args)
+
+
+def refuse_the_wrong_launcher(launcher: Launcher, launch: Launch) -> None:
+    """A script started as one of several processes by torchrun or srun that starts none (or its own): each
+    would train alone, into one folder, or two spawn jobs would meet on one port."""
+    if launcher != "launch" and launch.world_size > 1:
+        by = "srun" if launch.source == "slurm" else "torchrun"
+        script = ("train_single_gpu.py trains in one process" if launcher == "single" else
+                  "train_multi_gpu_using_spawn.py starts its processes itself")
+        raise UserInputError(f"{script}, but {by} started it as one of {launch.world_size}: start "
+                             f"train_multi_gpu_using_launch.py with {by} instead")
 
 
 def check_before_start(args: RunConfig) -> None:

@@ -133,6 +133,26 @@ def test_under_a_launcher_only_rank_0_reports_a_bad_flag(monkeypatch: pytest.Mon
     assert stop.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize(("launcher", "script"), [
+    ("single", "train_single_gpu.py trains in one process"),
+    ("spawn", "train_multi_gpu_using_spawn.py starts its processes itself")])
+@pytest.mark.parametrize(("env", "by"), [({"RANK": "{rank}", "WORLD_SIZE": "2"}, "torchrun"),
+                                         ({"SLURM_PROCID": "{rank}", "SLURM_STEP_NUM_TASKS": "2"}, "srun")])
+def test_a_door_started_by_the_wrong_launcher_says_so_in_one_line_at_once(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], launcher: str, script: str,
+        env: dict[str, str], by: str) -> None:
+    monkeypatch.setattr(shutdown, "QUIET_EXIT_DELAY_S", 0.0)
+    for rank in (0, 1):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value.format(rank=rank))
+        with pytest.raises(SystemExit) as stop:
+            run_cli(lambda args: pytest.fail("ran"), launcher, [])
+        said = capsys.readouterr().err
+        assert stop.value.code == 2
+        assert said == (f"error: {script}, but {by} started it as one of 2: start train_multi_gpu_using_launch.py "
+                        f"with {by} instead\n" if rank == 0 else ""), said
+
+
 @pytest.mark.parametrize("launcher", ["single", "launch", "spawn"])
 def test_help_names_each_default_once(launcher: str) -> None:
     for action in get_args_parser(launcher)._actions:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -75,12 +76,13 @@ def test_a_failing_rank_ends_the_whole_job(odd_folder: Path, tmp_path: Path, lau
     env = script_env(FAIL_RANK="1", PYTHONPATH=f"{REPO / 'tests' / 'fault_injection'}:{REPO}")
     cmd = ([*torchrun(), "--standalone", "--nproc_per_node=2", LAUNCH] if launcher == "torchrun"
            else [python(), SPAWN, "--world-size", "2"])
-    started = time.monotonic()
-    result = run([*cmd, *flags(odd_folder, tmp_path)], timeout=60, env=env)
-    elapsed = time.monotonic() - started
+    result = run([*cmd, *flags(odd_folder, tmp_path)], timeout=120, env=env)
+    ended = time.time()
     assert result.returncode != 0
-    assert "failure injected on rank 1" in result.stdout + result.stderr
-    assert elapsed < 30, f"took {elapsed:.0f} s to notice"
+    failed = re.search(r"failure injected on rank 1 at (\d+\.\d+)", result.stdout + result.stderr)
+    assert failed, result.stderr[-3000:]
+    # From the failure, not from the start: how long processes take to start depends on the machine's load.
+    assert ended - float(failed[1]) < 30, f"took {ended - float(failed[1]):.0f} s to notice"
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text()
 
 

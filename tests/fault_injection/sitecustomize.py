@@ -1,7 +1,7 @@
 """Faults for the tests, loaded by every Python process whose PYTHONPATH holds this folder (launchers,
 workers and spawned processes alike). Each fault strikes rank <NAME>_RANK, in epoch <NAME>_EPOCH if set:
 
-FAIL  raises at the start of the epoch
+FAIL  raises at the start of the epoch, naming the moment (time.time())
 HANG  stops answering at the start of the epoch (sleeps)
 KILL  SIGKILLs itself after one step (under torchrun, in the first attempt of the job only)
 NAN   feeds NaN images at step 1, so its loss becomes NaN
@@ -56,7 +56,7 @@ if any(f"{name}_RANK" in os.environ for name in ("FAIL", "HANG", "KILL", "NAN", 
 
     def _faulty_train_one_epoch(model, criterion, optimizer, data_loader, device, epoch, *rest):
         if _strikes("FAIL", epoch):
-            raise RuntimeError(f"failure injected on rank {get_rank()}")
+            raise RuntimeError(f"failure injected on rank {get_rank()} at {time.time():.3f}")
         if _strikes("HANG", epoch):
             time.sleep(600)
         if _strikes("KILL", epoch) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
