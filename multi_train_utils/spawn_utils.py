@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
@@ -174,6 +176,9 @@ def hurry(processes: list[mp.Process], passer: StopSignalPasser, stop_deadline_s
     """After a signal: pass Ctrl-C on to processes that did not get it themselves, and kill those that have not
     stopped by the deadline."""
     when, signum = passer.first()
+    if any(map(holds_ctrl_c_back, processes)):  # still importing torch (seconds; more on a loaded machine): the
+        passer.received[0] = (time.monotonic(), signum)  # clock starts once every process can stop
+        return
     waited = time.monotonic() - when
     if signum == signal.SIGINT and waited > CTRL_C_GRACE_S:
         passer.pass_on(signal.SIGINT)
@@ -182,6 +187,16 @@ def hurry(processes: list[mp.Process], passer: StopSignalPasser, stop_deadline_s
                "checkpoint written is kept)")
         stop_processes(processes, grace_s=0.0)
         raise QuietExit(CTRL_C_EXIT_CODE if signum == signal.SIGINT else REQUEUE_EXIT_CODE)
+
+
+def holds_ctrl_c_back(process: mp.Process) -> bool:
+    """Whether `process` is still starting, before cli.ends_in_one_line lets Ctrl-C in (stop_signals_passed_on),
+    as Linux's /proc tells; False where there is none to ask."""
+    with contextlib.suppress(OSError, TypeError):
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        blocked = re.search(r"^SigBlk:\s*([0-9a-f]+)$", status, re.MULTILINE)
+        return bool(int(blocked[1], 16) >> (signal.SIGINT - 1) & 1)
+    return False
 
 
 def end_after_signal(processes: list[mp.Process], signum: int) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -133,3 +135,38 @@ def test_a_user_error_on_any_rank_is_the_jobs_exit_code() -> None:
     with pytest.raises(SystemExit) as stop:
         spawn_utils.exit_on_lost_process(lost, [EndedProcess(0), EndedProcess(1)])
     assert stop.value.code == 1
+
+
+def sleep_in(holds_ctrl_c_back: bool) -> None:
+    if holds_ctrl_c_back:  # as a spawned process does until cli.ends_in_one_line lets Ctrl-C in
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads a process's signal mask in /proc")
+def test_after_ctrl_c_the_clock_starts_once_every_process_can_stop() -> None:
+    """A process still importing torch (it holds Ctrl-C back until it can stop cleanly) is not killed for being
+    slow to start, however loaded the machine; once every process can stop, it has CTRL_C_GRACE_S * 2."""
+    fork = mp.get_context("fork")
+    starting, started = (fork.Process(target=sleep_in, args=(holds,), daemon=True) for holds in (True, False))
+    starting.start()
+    started.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not spawn_utils.holds_ctrl_c_back(starting):
+            assert time.monotonic() < deadline, "the process never held Ctrl-C back"
+            time.sleep(0.05)
+        assert not spawn_utils.holds_ctrl_c_back(started)
+        passer = spawn_utils.StopSignalPasser()
+        long_ago = time.monotonic() - 10 * spawn_utils.CTRL_C_GRACE_S
+        passer.received = [(long_ago, signal.SIGINT)]
+        spawn_utils.hurry([starting, started], passer, stop_deadline_s=30.0)  # one still starting: no kill
+        assert starting.is_alive() and started.is_alive() and passer.first()[0] > long_ago
+        passer.received = [(long_ago, signal.SIGINT)]
+        with pytest.raises(SystemExit) as ended:
+            spawn_utils.hurry([started], passer, stop_deadline_s=30.0)  # every one can stop, and did not
+        assert ended.value.code == 130 and not started.is_alive()
+    finally:
+        for process in (starting, started):
+            process.kill()
+            process.join()
