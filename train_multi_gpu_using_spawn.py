@@ -55,7 +55,7 @@ def worker(rank: int, world_size: int, args: RunConfig) -> None:
 
 
 def train(args: RunConfig, ctx: DistContext) -> None:
-    print_main(f"Training in {ctx.world_size} process(es) on {ctx.runs_on}")
+    print_main(f"Running in {ctx.world_size} process(es) on {ctx.runs_on}")
     # Each rank seeds differently so that their augmentations differ; DDP gives them the same weights.
     seed_everything(args.seed, ctx.rank)
     saved = find_saved_run(args.resume, args.output_dir)  # a resumed run keeps its classes and split

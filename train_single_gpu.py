@@ -28,7 +28,7 @@ from utils import read_data
 
 def main(args: RunConfig) -> None:
     ctx = single_process(args.device)
-    print(f"Training in one process on {ctx.runs_on}")
+    print(f"Running in one process on {ctx.runs_on}")
     seed_everything(args.seed)
     saved = find_saved_run(args.resume, args.output_dir)  # a resumed run keeps its classes and split
     data = read_data(args.data_path, ctx, args.seed, args.num_classes, saved.split)

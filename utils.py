@@ -368,7 +368,7 @@ DEMO_CACHE_ROOT = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cach
 def demo_data_folder(ctx: DistContext) -> Path:
     """The built-in demo data, for a run without --data-path: written once, by one process per machine."""
     if ctx.local_rank == 0:
-        print_main(f"No --data-path given: training on the built-in demo data in {ensure_demo_data()}")
+        print_main(f"No --data-path given: the built-in demo data in {ensure_demo_data()}")
     barrier()  # the other processes on this machine wait until the files are there
     return ensure_demo_data()  # written by now: finds the folder local rank 0 wrote
 

@@ -319,3 +319,14 @@ class Checkpointer(Hook):
                                 run_step=(epoch + 1) * self.steps_per_epoch)
         if self.recorder.checkpoint_due(epoch, last_epoch):  # the same answer on every rank
             self.save_epoch(epoch)
+        if epoch == last_epoch:
+            self.say_what_the_run_left()
+
+    def say_what_the_run_left(self) -> None:
+        """At the end of the last epoch: which epoch was best, where its weights are, and what to run next."""
+        folder = self.recorder.output_dir
+        if self.best.epoch is not None:
+            print_main(f"Finished: the best epoch by {self.best.metric} was {self.best.epoch} ({self.best.value:.4g}); "
+                       f"its weights are {folder / 'weights' / 'best.pth'}")
+        print_main(f"Next: the same command with --eval-only evaluates them again; python predict.py --run {folder} "
+                   f"IMAGE... classifies images; tensorboard --logdir {folder} draws the curves")

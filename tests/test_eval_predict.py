@@ -43,6 +43,7 @@ def eval_only(data: Path, out: Path, *extra: str, processes: int = 1) -> dict:
     launcher = [python()] if processes == 1 else [*torchrun(), "--standalone", f"--nproc_per_node={processes}"]
     result = run([*launcher, script, *flags], timeout=120)
     assert result.returncode == 0, result.stderr
+    assert not re.search(r"[Tt]raining (in|on) ", result.stdout), "an evaluation does not say it trains"
     return json.loads(result.stdout.splitlines()[-1])
 
 

@@ -24,7 +24,7 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_short_run_learns_and_writes_every_output(tmp_path: Path) -> None:
+def test_a_short_run_learns_and_writes_every_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = make_image_folder(tmp_path / "images", {"red": 20, "green": 20, "blue": 20})
     out = tmp_path / "run"
     args = parse_args("single", ["--data-path", str(data), "--output-dir", str(out), *TINY_FLAGS,
@@ -43,6 +43,12 @@ def test_a_short_run_learns_and_writes_every_output(tmp_path: Path) -> None:
     create_model("resnet18", 3).load_state_dict(state)
     assert (out / "weights" / "best.pth").is_file() and (out / "checkpoint.pth").is_file()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    best = max(metrics, key=lambda m: (m["val_acc"], m["epoch"]))  # a tie goes to the later epoch
+    said = capsys.readouterr().out.splitlines()[-2:]  # the run ends by saying what it left and what to run next
+    assert said[0] == (f"Finished: the best epoch by val_acc was {best['epoch']} ({best['val_acc']:.4g}); its "
+                       f"weights are {out / 'weights' / 'best.pth'}")
+    assert said[1].startswith("Next: the same command with --eval-only evaluates them again; python predict.py "
+                              f"--run {out} IMAGE... classifies images; tensorboard --logdir {out} draws the curves")
 
 
 def test_the_demo_data_is_written_and_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
