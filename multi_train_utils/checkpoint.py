@@ -185,7 +185,8 @@ class Checkpointer(Hook):
         self.last_saved: tuple[int, int | None] | None = None  # (epoch, step) of the last checkpoint written
         self.saved_at = time.monotonic()  # when it was written (or training started)
         if recorder.enabled:
-            epochs = recorder.config.epochs if recorder.config.keep_epoch_weights else 0
+            kept = recorder.config.keep_epoch_weights
+            epochs = recorder.config.epochs if kept is None else min(kept + 1, recorder.config.epochs) if kept else 0
             warn_if_the_disk_is_short(recorder.output_dir, model, optimizer, epochs)
 
     def resume(self, saved: SavedRun) -> int:
@@ -316,7 +317,7 @@ class Checkpointer(Hook):
         (every rank takes part)."""
         metrics.update(class_figures(sums, self.recorder.class_names))
         self.recorder.end_epoch(self.model, metrics, sums.get("confusion"), improved=self.best.update(metrics),
-                                run_step=(epoch + 1) * self.steps_per_epoch)
+                                run_step=(epoch + 1) * self.steps_per_epoch, best_epoch=self.best.epoch)
         if self.recorder.checkpoint_due(epoch, last_epoch):  # the same answer on every rank
             self.save_epoch(epoch)
         if epoch == last_epoch:

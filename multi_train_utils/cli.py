@@ -64,6 +64,13 @@ def at_least(low: int, at_most: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def epochs_kept(text: str) -> int | None:
+    """How many epochs' weights to keep: a number, or all (None); true and false as the flag once took them."""
+    if text.strip().lower() in ("all", "true"):
+        return None
+    return 0 if text.strip().lower() == "false" else at_least(0, 10**6)(text)
+
+
 def path_text(text: str) -> str:
     """A path, not an empty string: `--data-path "$DATA"` with DATA unset would train on the demo data, and
     `--output-dir ""` write into the current folder, each without a word."""
@@ -143,6 +150,8 @@ WORKERS_PER_CPU = 4
 
 
 BOOLEAN = {"type": str2bool, "nargs": "?", "const": True}  # --flag, --flag true, --flag false
+# A 16-epoch run that kept every epoch's ResNet-34 weights wrote 1.6 GB; the newest few are what people use.
+KEPT_EPOCH_WEIGHTS = 3
 
 
 def on_the_demo_data(name: str) -> str:
@@ -226,8 +235,9 @@ FLAGS = {
     "--output-dir": dict(type=path_text, default="output", help="folder for everything the run writes"),
     "--save-every": dict(type=at_least(1), default=1, help="write the checkpoint every N epochs (and after the "
                          "last); a resume goes back to the last one"),
-    "--keep-epoch-weights": dict(**BOOLEAN, default=True, help="keep weights/model-{epoch}.pth of every epoch; "
-                                 "false: only best.pth and the checkpoint (true/false)"),
+    "--keep-epoch-weights": dict(type=epochs_kept, default=KEPT_EPOCH_WEIGHTS, help="keep weights/model-{epoch}.pth "
+                                 "of the newest N epochs, and the best epoch's (all: every epoch; 0: only best.pth "
+                                 "and the checkpoint)"),
     "--best-metric": dict(default="val_acc", choices=tuple(BEST_METRICS), help="what makes weights/best.pth (and "
                           "best_ema.pth) the best: the highest val_acc or the lowest val_loss"),
     "--checkpoint-every-steps": dict(type=at_least(1), default=None, help="also write the checkpoint inside "

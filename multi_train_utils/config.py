@@ -55,7 +55,7 @@ class RunConfig:
     # what the run writes
     output_dir: str
     save_every: int
-    keep_epoch_weights: bool
+    keep_epoch_weights: int | None  # None: every epoch's
     best_metric: str
     checkpoint_every_steps: int | None
     checkpoint_every_minutes: float | None

@@ -394,10 +394,10 @@ class RunRecorder(Hook):
         return (epoch + 1) % self.config.save_every == 0 or epoch == last_epoch
 
     def end_epoch(self, model: nn.Module, metrics: dict[str, Any], confusion: torch.Tensor | None,
-                  improved: bool, run_step: int) -> None:
+                  improved: bool, run_step: int, best_epoch: int | None = None) -> None:
         """Append the epoch's figures to metrics.jsonl and TensorBoard (at optimizer step `run_step`), and save
-        the weights (model-{epoch}.pth unless --keep-epoch-weights false; best.pth when `improved`), each
-        replaced in one step, so that a crash leaves the previous one whole."""
+        the weights (model-{epoch}.pth, the newest --keep-epoch-weights and `best_epoch`'s kept; best.pth when
+        `improved`), each replaced in one step, so that a crash leaves the previous one whole."""
         if not self.enabled:
             return
         epoch = metrics["epoch"]
@@ -407,13 +407,18 @@ class RunRecorder(Hook):
         if confusion is not None and "confusion_matrix" not in metrics:  # too large for a line: a file of its own
             save_atomic({"epoch": epoch, "class_names": self.class_names, "confusion": confusion.int().cpu()},
                         self.output_dir / CONFUSION_NAME)
-        if not (self.config.keep_epoch_weights or improved):
+        kept = self.config.keep_epoch_weights
+        if not (kept != 0 or improved):
             return
         weights = model_weights(model)  # copied off the GPU once, for both files
-        if self.config.keep_epoch_weights:
+        if kept != 0:
             save_atomic(weights, self.weights_dir / f"model-{epoch}.pth")
         if improved:
             save_atomic(weights, self.weights_dir / "best.pth")
+        if kept:  # the newest `kept`, and the best epoch's: a rewind to before a later best restores best.pth from it
+            for older in range(epoch - kept, -1, -1):
+                if older != best_epoch:
+                    (self.weights_dir / f"model-{older}.pth").unlink(missing_ok=True)
 
     def save_weights(self, model: nn.Module, name: str) -> None:
         """Save the plain model's weights as weights/`name`."""

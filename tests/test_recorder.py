@@ -142,11 +142,20 @@ def test_save_every_and_keep_epoch_weights_decide_what_is_written(tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["best.pth"]
 
 
-def test_by_default_every_epoch_keeps_its_weights_and_a_checkpoint(tmp_path: Path) -> None:
-    with RunRecorder(config_in(tmp_path), single_process("cpu"), SPLIT) as recorder:
+@pytest.mark.parametrize(("flag", "kept"), [([], [1, 5, 6, 7]), (["--keep-epoch-weights", "1"], [1, 7]),
+                                            (["--keep-epoch-weights", "all"], list(range(8))),
+                                            (["--keep-epoch-weights", "true"], list(range(8)))])
+def test_by_default_every_epoch_writes_a_checkpoint_and_the_newest_three_and_the_best_keep_their_weights(
+        tmp_path: Path, flag: list[str], kept: list[int]) -> None:
+    """A 16-epoch run that kept every epoch's ResNet-34 weights wrote 1.6 GB."""
+    config = parse_args("single", ["--output-dir", str(tmp_path), *flag])
+    with RunRecorder(config, single_process("cpu"), SPLIT) as recorder:
         assert all(recorder.checkpoint_due(epoch, last_epoch=9) for epoch in range(10))
-        recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(0), None, improved=False, run_step=1)
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["model-0.pth"]
+        for epoch in range(8):  # epoch 1 the best
+            recorder.end_epoch(nn.Linear(2, 3), epoch_metrics(epoch), None, improved=epoch == 1, run_step=epoch,
+                               best_epoch=0 if epoch == 0 else 1)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == sorted(
+        ["best.pth", *(f"model-{epoch}.pth" for epoch in kept)])
 
 
 def test_the_tensorboard_hint_quotes_a_path_with_spaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
