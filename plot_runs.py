@@ -1,9 +1,9 @@
 """Draw finished runs side by side from their metrics.jsonl: accuracy, loss and time per epoch, as PNG files,
 and the first run's confusion matrix of its last epoch.
 
-    python plot_runs.py runs/single runs/ddp2 --out-dir docs
+    python plot_runs.py runs/single runs/ddp2 --out-dir plots
     python plot_runs.py runs/ddp2 runs/ddp2_syncbn --labels "2 processes" "2 processes, SyncBN" \\
-        --prefix syncbn_ --out-dir docs
+        --prefix syncbn_ --out-dir plots
 
 Needs matplotlib (pip install -r requirements-plot.txt); training does not.
 """
@@ -134,7 +134,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("runs", nargs="+", help="--output-dir folders of finished (or running) training runs")
     parser.add_argument("--labels", nargs="+", default=None,
                         help="one legend label per run (default: folder name and process count)")
-    parser.add_argument("--out-dir", default="docs", help="folder for the PNG files")
+    parser.add_argument("--out-dir", default="plots", help="folder for the PNG files")
     parser.add_argument("--prefix", default="", help="prefix of the file names, such as syncbn_")
     args = parser.parse_args(argv)
     if args.labels and len(args.labels) != len(args.runs):

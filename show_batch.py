@@ -1,7 +1,7 @@
 """Save one training batch as a PNG grid, the way the training loop gets it: look at the data before you
 train on it.
 
-    python show_batch.py --out docs/first_batch.png
+    python show_batch.py
     python show_batch.py --data-path flower_photos --out flowers_batch.png
 """
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 import plot_runs
+from conftest import REPO
 from multi_train_utils.errors import UserInputError
 
 
@@ -85,3 +88,24 @@ def test_the_first_runs_last_confusion_matrix_is_drawn_with_its_class_names(tmp_
     assert written[-1].name == "confusion_matrix.png"
     with Image.open(written[-1]) as picture:
         assert picture.format == "PNG" and picture.width > 2 * 44
+
+
+def test_the_pictures_of_the_docs_are_what_their_command_draws(tmp_path: Path) -> None:
+    """docs/draw_pictures.py draws every picture README.md and docs/using-a-run.md show (docs/benchmark.png is
+    docs/speed.md's, drawn by bench/plot_benchmark.py), with the commands a learner runs."""
+    sys.path.insert(0, str(REPO / "docs"))
+    import draw_pictures
+
+    runs = []
+    for name, world_size in (("single", 1), ("ddp2", 2)):
+        folder = write_run(tmp_path / name, world_size, [0.5, 0.8])
+        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        for line in lines:
+            line.update(confusion_matrix=[[3, 1], [0, 4]], per_class={"cats": {}, "dogs": {}})
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        runs.append(str(folder))
+    written = draw_pictures.main([*runs, "--out-dir", str(tmp_path / "docs")])
+    shown = {name for page in (REPO / "README.md", REPO / "docs" / "using-a-run.md")
+             for name in re.findall(r"\]\((?:docs/)?(\w+\.png)\)", page.read_text())}
+    assert sorted(path.name for path in written) == sorted(shown)
+    assert all(path.is_file() for path in written)
