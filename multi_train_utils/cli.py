@@ -366,8 +366,9 @@ def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
     """Parse the flags, check them against the files, run `main`; however it ends early, it ends in one line
     (ends_in_one_line)."""
     launch = Launch(0, 0, 1, 1, "single")
-    with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too
-        launch = detect_launch(os.environ)  # this process may be any rank of a launcher's job
+    if launcher == "launch" or {"WORLD_SIZE", "SLURM_STEP_NUM_TASKS"} & set(os.environ):  # torchrun's, srun's
+        with contextlib.suppress(UserInputError):  # a launcher's variables that do not fit: main() meets them too
+            launch = detect_launch(os.environ)  # this process may be any rank of a launcher's job
     under_a_launcher = launcher == "launch" and launch.source != "single"  # and the launcher may die first
     with ends_in_one_line(launch.rank, watch_launcher=under_a_launcher) as ending:
         args = parse_args(launcher, argv)
