@@ -204,6 +204,10 @@ def prose(text: str) -> str:
 def test_the_readme_is_read_in_one_sitting_and_links_every_page_of_docs() -> None:
     words = len(prose(TEXT).split())
     assert words <= MAX_README_WORDS, f"README.md has {words} words (its generated parts aside): move some to docs/"
+    assert len(TEXT.split()) <= MAX_README_WORDS, "README.md, its generated parts too, is more than one sitting"
+    sections = re.findall(r"^## (.+)$", TEXT, re.MULTILINE)
+    assert sections.index("From one process to many") == 1 < sections.index("Tests"), (
+        "a newcomer meets the lesson right after the set-up, and how the tests are grouped only after it")
     linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)", TEXT))
     assert linked == {f"docs/{page.name}" for page in PAGES[1:]}, "README.md's table of docs/ pages is out of date"
 
@@ -244,3 +248,12 @@ def test_local_links_pictures_and_headings_exist(page: Path) -> None:
         assert linked.exists(), f"{page.name} links to {path}, which does not exist"
         if anchor and linked.suffix == ".md":
             assert anchor in anchors(linked), f"{page.name}: no heading #{anchor} in {linked.name}"
+
+
+def test_the_commands_a_learner_copies_write_outside_the_tracked_files_and_never_into_each_others_runs() -> None:
+    """Copied in order from a fresh clone, no command overwrites docs/ or stops at a folder an earlier one filled."""
+    fresh = [command for command in COMMANDS if re.search(r"train_\w+\.py", command)
+             and "--resume" not in command and "--eval-only" not in command]
+    folders = [found[1] if (found := re.search(r"--output-dir (\S+)", command)) else "output" for command in fresh]
+    assert len(folders) == len(set(folders)), folders
+    assert not [command for command in COMMANDS if re.search(r"--out(-dir)? docs\b", command)]
