@@ -257,3 +257,12 @@ def test_the_commands_a_learner_copies_write_outside_the_tracked_files_and_never
     folders = [found[1] if (found := re.search(r"--output-dir (\S+)", command)) else "output" for command in fresh]
     assert len(folders) == len(set(folders)), folders
     assert not [command for command in COMMANDS if re.search(r"--out(-dir)? docs\b", command)]
+
+
+def test_the_readme_answers_a_newcomers_first_questions_where_they_arise() -> None:
+    """How to install without several GB of CUDA libraries (in PyTorch's own terms), and what torchrun's warning
+    about OMP_NUM_THREADS means, where the README first starts torchrun."""
+    flat = " ".join(TEXT.split())
+    assert "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu" in flat
+    starting = " ".join(TEXT.split("## Two ways to start processes")[1].split("\n## ")[0].split())
+    assert "torchrun starts by warning that it sets `OMP_NUM_THREADS=1` for each process: harmless" in starting
