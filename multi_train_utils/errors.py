@@ -142,13 +142,18 @@ def outputs_may_close() -> None:
     for fd, name in ((1, "stdout"), (2, "stderr")):
         stream = getattr(sys, name)
         if stream is None:  # its descriptor is free: the next file opened would get it, and C++'s writes with it
-            nowhere = os.open(os.devnull, os.O_WRONLY)
-            if nowhere != fd:
-                os.dup2(nowhere, fd)
-                os.close(nowhere)
+            point_at_nowhere(fd)
             setattr(sys, name, open(fd, "w", buffering=1, closefd=False))  # noqa: SIM115 (the process's own)
         elif type(stream) is io.TextIOWrapper:  # Python's own; not a test's capture
             setattr(sys, name, OutputThatMayClose(stream))
+
+
+def point_at_nowhere(fd: int) -> None:
+    """Make descriptor `fd` os.devnull's (where `fd` is closed, opening os.devnull may give `fd` itself)."""
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    if nowhere != fd:
+        os.dup2(nowhere, fd)
+        os.close(nowhere)
 
 
 class OutputThatMayClose:
@@ -172,9 +177,7 @@ class OutputThatMayClose:
             self.send_to_nowhere()
 
     def send_to_nowhere(self) -> None:
-        nowhere = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(nowhere, self.stream.fileno())
-        os.close(nowhere)
+        point_at_nowhere(self.stream.fileno())
         self.stream.flush()  # what was held for the pipe
 
     def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, reconfigure: the stream's own
