@@ -12,7 +12,9 @@ Each module has one concern, named for it:
                      step when a scheduler asks), optim (optimizer and lr schedule, by flag)
   process set-up     launch (who started this process, its device and CPU share, where the processes meet),
                      meeting (the one line when they do not), spawn_utils (around the spawn script's mp.spawn),
-                     shutdown (how every process of a job ends together)
+                     shutdown (how every process of a job ends together), flight_recorder (where each rank
+                     waits when a collective never completes: PyTorch's record of the collectives, read after one
+                     has failed)
   data               data (samplers, loaders, the loader's worker processes)
   a run's files      recorder (the run's folder: which file is where, its lock, one run per folder, rewinds; and
                      what a run writes: metrics, weights, TensorBoard), checkpoint (what resumes a run, what

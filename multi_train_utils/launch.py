@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import GroupNotFormedError, UserInputError, _Ending, signals_end_the_wait
+from .flight_recorder import switch_on as switch_on_flight_recorder
 from .meeting import choose_gloo_interface, meeting_failure
 
 # SLURM gives no port; every job on a node needs its own, so derive one from the job id.
@@ -245,7 +246,9 @@ def process_device(launch: Launch, requested: str | None) -> torch.device:
 def meeting(launch: Launch, backend: str, dist_url: str, timeout_s: float) -> Iterator[dist.Store | None]:
     """Around init_process_group: where the processes meet (srun's first node; after a torchrun restart, a store of
     the new attempt's own; across machines, gloo's network interface); Ctrl-C and the stop signals end the wait at
-    once; a failure to meet ends in one line (meeting.py). Yields the store to meet in, or None: dist_url's."""
+    once; a failure to meet ends in one line (meeting.py). The group records its collectives (flight_recorder.py).
+    Yields the store to meet in, or None: dist_url's."""
+    switch_on_flight_recorder()
     if launch.source == "slurm":
         os.environ.update(srun_meeting_point(os.environ))
     if not tcp_store_uses_libuv():

@@ -37,6 +37,7 @@ from .errors import (
     one_line,
     report,
 )
+from .flight_recorder import how_to_read, where_this_rank_waits
 from .launch import launcher_gone
 from .meeting import meeting_point
 from .recorder import CHECKPOINT_NAME
@@ -70,7 +71,8 @@ def end_run(err: BaseException, rank: int, config: RunConfig | None = None) -> N
     if isinstance(err, SystemExit) and err.code in (None, 0):
         raise err
     absorb_later_signals()
-    checkpoint = Path(config.output_dir) / CHECKPOINT_NAME if config else None
+    run_dir = Path(config.output_dir) if config else None
+    checkpoint = run_dir / CHECKPOINT_NAME if run_dir else None
     if isinstance(err, QuietExit):  # already said, by another process or by this one
         cleanup(failed=True)
         raise err
@@ -88,7 +90,8 @@ def end_run(err: BaseException, rank: int, config: RunConfig | None = None) -> N
     if launcher_gone() and not signalled:
         # Whatever broke, the launcher's end caused it: a partner whose watch saw it first left a collective.
         err, signalled = Terminated(), True
-    reason = err if signalled else collective_failure(err, rank) or out_of_memory(err, config, checkpoint) or err
+    reason = err if signalled else (collective_failure(err, rank, run_dir) or out_of_memory(err, config, checkpoint)
+                                    or err)
     explains = rank == 0 if signalled or not is_dist_avail_and_initialized() else first_to_stop()
     if isinstance(reason, LostPeerError) and multiprocessing.parent_process() is not None:
         explains = False  # the spawn script, this process's parent, names the one that died, and how
@@ -101,7 +104,9 @@ def end_run(err: BaseException, rank: int, config: RunConfig | None = None) -> N
     if signalled:
         print(flush=True)  # the stop may have come while a progress bar drew its line, before it ended it
         report(stopped_line(reason, checkpoint))
-    elif isinstance(reason, (UserInputError, LostPeerError)):
+    elif isinstance(reason, WhereRanksWait):  # its headline, then where each rank that could answer waits
+        report(f"error: {reason}")
+    elif isinstance(reason, UserInputError):
         report(f"error: {one_line(reason)}")
     elif not isinstance(reason, SystemExit):
         report(f"rank {rank} failed:\n{''.join(traceback.format_exception(reason)).rstrip()}")
@@ -201,70 +206,105 @@ def store_answer(question: Callable[[dist.Store], Answer], gone: Answer, longest
     return answers[0]
 
 
-class StalledRankError(UserInputError):
-    """A collective waited past --dist-timeout because some rank stopped answering; names that rank."""
+class WhereRanksWait(Exception):
+    """A headline, then a line for each rank that could still answer, saying where it waits (flight_recorder.py),
+    and where their records are."""
+
+    def __init__(self, headline: str, where: dict[int, str] | None = None, record: str = "") -> None:
+        lines = [headline, *(f"  rank {other} {waits}" for other, waits in sorted((where or {}).items()))]
+        super().__init__("\n".join(lines + ([record] if where and record else [])))
+
+
+class StalledRankError(WhereRanksWait, UserInputError):
+    """A collective waited past --dist-timeout because some rank stopped answering, or because the ranks called
+    collectives that do not match."""
 
 
 class CutOffError(StalledRankError):
     """A time-out where the store does not answer either: no other process can tell, so each says it itself."""
 
 
-class LostPeerError(Exception):
-    """A process of the job vanished in the middle of a collective (killed, or its machine gone): no mistake to fix."""
+class LostPeerError(WhereRanksWait):
+    """A process of the job vanished in the middle of a collective (killed, or its machine gone, or aborted by gloo
+    on receiving a collective it did not expect)."""
 
 
 # What gloo and NCCL say when the process at the other end of a connection is gone.
 LOST_PEER = re.compile(r"reset by peer|closed by peer|broken pipe|remote process exited|ncclRemoteError",
                        re.IGNORECASE)
 PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+TIMED_OUT, LOST = "timed out", "lost a peer"
 
 
-def collective_failure(err: BaseException, rank: int) -> BaseException | None:
+def collective_failure(err: BaseException, rank: int, run_dir: Path | None = None) -> BaseException | None:
     """If `err` is a collective that failed because another process stopped answering (a time-out) or is gone
-    (a lost connection), the one-line error that names the ranks concerned; else None."""
+    (a lost connection), the error that names the ranks concerned and where each rank still alive waits (from
+    the flight recorder, whose record goes into `run_dir`); else None."""
     if not isinstance(err, RuntimeError):
         return None
     message = str(err)
     # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
-    if re.search(r"timed out|timeout", message, re.IGNORECASE):
-        if not has_default_store():
-            return None  # a PyTorch that does not lend the store: who stopped answering cannot be asked
-        silent = silent_ranks(rank, "timed_out")
-        if silent is None:
-            store = "the job's key-value store" + (f" at {meeting_point()}" if meeting_point() else "")
-            return CutOffError(f"rank {rank} waited longer than --dist-timeout for the other processes, and "
-                               f"{store} does not answer either: the network to "
-                               "its machine is down, or the process that keeps it (rank 0, or torchrun's agent "
-                               "on the first machine) is stuck or gone")
-        return StalledRankError(f"rank {rank} waited longer than --dist-timeout for the other processes; "
-                                f"{ranks_named(silent) if silent else 'no rank'} stopped "
-                                "answering")
-    if LOST_PEER.search(message):
-        silent = silent_ranks(rank, "lost_peer") if has_default_store() else []  # without a store: not known
-        address = PEER_ADDRESS.search(message)
-        who = (ranks_named(silent) if silent else
-               "the process that kept the job's key-value store" if silent is None else "another process")
-        where = f" (at {address.group(1)})" if address else ""
-        return LostPeerError(f"rank {rank} lost its connection to {who}{where}: that process ended without a "
-                             "word, killed by a signal (the out-of-memory killer sends SIGKILL) or gone with its "
-                             "machine; the launcher's report says how it ended")
-    return None
+    timed_out = re.search(r"timed out|timeout", message, re.IGNORECASE) is not None
+    if not (timed_out or LOST_PEER.search(message)):
+        return None
+    if not has_default_store():
+        # a PyTorch that does not lend the store: who stopped answering cannot be asked
+        return None if timed_out else lost_peer(rank, message, [], {})
+    waits = where_this_rank_waits(run_dir, rank)
+    stopped = stopped_ranks(rank, TIMED_OUT if timed_out else LOST, waits)
+    if stopped is None:
+        if not timed_out:
+            return lost_peer(rank, message, None, {rank: waits}, how_to_read(run_dir))
+        store = "the job's key-value store" + (f" at {meeting_point()}" if meeting_point() else "")
+        return CutOffError(f"rank {rank} waited longer than --dist-timeout for the other processes, and "
+                           f"{store} does not answer either: the network to its machine is down, or the process "
+                           "that keeps it (rank 0, or torchrun's agent on the first machine) is stuck or gone",
+                           {rank: waits}, how_to_read(run_dir))
+    silent = [other for other in range(dist.get_world_size()) if other not in stopped]
+    where = {other: waits for other, (_, waits) in stopped.items()}
+    if not timed_out and not any(how == TIMED_OUT for how, _ in stopped.values()):
+        return lost_peer(rank, message, silent, where, how_to_read(run_dir))  # none left waited too long: one died
+    if silent:
+        headline = (f"rank {rank} waited longer than --dist-timeout for the other processes; "
+                    f"{ranks_named(silent)} stopped answering")
+    else:
+        headline = ("the processes waited longer than --dist-timeout in collectives that do not match: every "
+                    "process must call the same collectives in the same order (docs/failures.md)")
+    return StalledRankError(headline, where, how_to_read(run_dir))
+
+
+def lost_peer(rank: int, message: str, silent: list[int] | None, where: dict[int, str],
+              record: str = "") -> LostPeerError:
+    address = PEER_ADDRESS.search(message)
+    who = (ranks_named(silent) if silent else
+           "the process that kept the job's key-value store" if silent is None else "another process")
+    at = f" (at {address.group(1)})" if address else ""
+    return LostPeerError(f"rank {rank} lost its connection to {who}{at}: that process ended without a word: killed "
+                         "by a signal (the out-of-memory killer sends SIGKILL), gone with its machine, or aborted by "
+                         "gloo on a collective that does not match its own; "
+                         "the launcher's report says how it ended", where, record)
 
 
 def ranks_named(ranks: list[int]) -> str:
     return f"rank(s) {', '.join(map(str, ranks))}"
 
 
-def silent_ranks(rank: int, mark: str, settle_s: float = 2.0) -> list[int] | None:
-    """The ranks that did not answer: every rank still alive meets the same failure at about the same
-    moment, marks itself in the process group's key-value store under `mark`, and waits a moment for the
-    others; those never marked are silent (hung in a data loader, deadlocked, stopped, or dead). None if the
-    store cannot be asked (its host is gone too). With NCCL, PyTorch's own watchdog may end the processes
-    first, naming the collective instead."""
+def stopped_ranks(rank: int, how: str, waits: str, settle_s: float = 2.0) -> dict[int, tuple[str, str]] | None:
+    """The ranks whose collective failed too, each with how it failed and where it waits: every rank still
+    alive meets the failure at about the same moment (gloo closes its connections when one rank gives up),
+    notes itself in the process group's key-value store, and waits a moment for the others; those never noted
+    are silent (hung in a data loader, deadlocked, stopped, or dead). None if the store cannot be asked (its
+    host is gone too). With NCCL, PyTorch's own watchdog may end the processes first, naming the collective."""
 
-    def unmarked(store: dist.Store) -> list[int]:
-        store.set(f"{mark}/{rank}", "1")
+    def noted(store: dist.Store) -> dict[int, tuple[str, str]]:
+        store.set(f"collective_failed/{rank}", f"{how}\t{waits}")
         time.sleep(settle_s)
-        return [other for other in range(dist.get_world_size()) if not store.check([f"{mark}/{other}"])]
+        keys = {other: f"collective_failed/{other}" for other in range(dist.get_world_size())}
+        found = {}
+        for other, key in keys.items():
+            if store.check([key]):
+                noted_how, _, noted_waits = store.get(key).decode().partition("\t")
+                found[other] = (noted_how, noted_waits)
+        return found
 
-    return store_answer(unmarked, gone=None, longest_s=STORE_TIMEOUT_S + settle_s)
+    return store_answer(noted, gone=None, longest_s=STORE_TIMEOUT_S + settle_s)

@@ -232,8 +232,9 @@ def exit_on_lost_process(err: mp.ProcessExitedException, processes: list[mp.Proc
     """
     if err.exit_code is not None and err.exit_code < 0:
         name = signal.Signals(-err.exit_code).name
-        oom = " (the out-of-memory killer sends it)" if name == "SIGKILL" else ""
-        report(f"error: rank {err.error_index} was killed by {name}{oom}; the others were stopped")
+        why = {"SIGKILL": " (the out-of-memory killer sends it)",
+               "SIGABRT": " (a C++ abort: gloo's, above, when the ranks call collectives that do not match)"}
+        report(f"error: rank {err.error_index} was killed by {name}{why.get(name, '')}; the others were stopped")
         sys.exit(1)
     stop_processes(processes)
     raise QuietExit(2 if 2 in (process.exitcode for process in processes) else err.exit_code or 1)

@@ -37,6 +37,8 @@ def finished(result: subprocess.CompletedProcess, out: Path, world_size: int) ->
     assert metrics[0]["world_size"] == world_size
     assert metrics[0]["val_total"] == VAL_IMAGES
     assert (out / "weights" / "model-0.pth").is_file()
+    # the collectives were recorded (flight_recorder.py), but a record is written only once one has failed
+    assert not (out / "flight-recorder").exists()
     return metrics
 
 
@@ -54,6 +56,7 @@ def test_torchrun_two_processes(odd_folder: Path, tmp_path: Path) -> None:
     assert result.stdout.count("| distributed init") == 2 and "cpu| distributed" not in result.stdout, "one line each"
 
 
+@pytest.mark.every_launcher  # torchrun's own runs in the README command
 def test_legacy_launcher_without_use_env(odd_folder: Path, tmp_path: Path) -> None:
     port = free_port()
     cmd = [python(), "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={port}",

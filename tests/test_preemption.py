@@ -296,6 +296,7 @@ def unbroken(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.every_launcher  # the single-process stop above is the README command's
 def test_a_torchrun_job_stopped_by_sigterm_mid_epoch_and_resumed_ends_with_the_unbroken_weights(
         data: Path, tmp_path: Path, unbroken: Path) -> None:
     """torchrun passes the SIGTERM it gets (from Kubernetes, SLURM, a person) on to its workers. The run is

@@ -44,6 +44,8 @@ NOT_RUN = [
     (r"two_hosts_benchmark\.py", "needs root and network namespaces: tests/test_two_hosts.py runs it"),
     (r"^tensorboard ", "starts a web server; test_recorder.py reads the same events with TensorBoard's reader"),
     (r"resnet34-333f7ec4\.pth", "needs the flower_photos data set and ImageNet weights (downloads)"),
+    (r"--output-dir runs/disagree", "waits --dist-timeout by design, once docs/failures.md's change is made: "
+                                    "tests/test_hangs.py applies that change and runs it"),
 ]
 
 # Appended to each command of a script, to keep the run tiny; "{data}" is a small image folder, used instead

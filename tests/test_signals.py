@@ -45,8 +45,12 @@ def process_tree(root: int) -> set[int]:
 
 def still_running(pids: set[int]) -> list[str]:
     table = process_table()
-    return [Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:100]
-            for pid in pids if pid in table and table[pid][1] != "Z"]
+    running = []
+    for pid in pids:
+        if pid in table and table[pid][1] != "Z":
+            with contextlib.suppress(OSError):  # it may end between the two reads
+                running.append(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:100])
+    return running
 
 
 def stacks_of_a_hang(tree: set[int], log: Path) -> str:
@@ -81,7 +85,8 @@ def port_is_free(port: int) -> bool:
     pytest.param("torchrun", "sigkill", marks=pytest.mark.every_launcher),
     pytest.param("torchrun", "sigusr1", marks=pytest.mark.every_launcher),
     # A closed terminal or ssh session: a stop like SIGTERM, one step finished and saved (torchrun passes it on).
-    ("spawn", "sighup"), pytest.param("torchrun", "sighup", marks=pytest.mark.every_launcher)])
+    pytest.param("spawn", "sighup", marks=pytest.mark.every_launcher),
+        pytest.param("torchrun", "sighup", marks=pytest.mark.every_launcher)])
 def test_stopping_a_run_ends_every_process(tmp_path: Path, launcher: str, stop: str) -> None:
     data = make_image_folder(tmp_path / "images", {"a": 10, "b": 10, "c": 10})
     out, port = tmp_path / "run", free_port()

@@ -1,0 +1,102 @@
+"""Where each rank waits when a collective never completes: PyTorch's own flight recorder.
+
+The recorder keeps, in a small ring buffer of each process, every collective the process called: its kind, its
+sequence number in the process group, and the Python stack that called it. It is switched on before the processes
+meet and read only after a collective has failed: the record is then written into the run folder (one file per
+rank, which `torchfrtrace` reads) and its last entry becomes the sentence a learner reads, e.g. "waits in
+all_reduce #57, called from evaluate (multi_train_utils/train_eval_utils.py:190)".
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Entries each process keeps: the last few steps' collectives, which is all a hang needs; each entry is a few
+# hundred bytes and recorded whatever the size, so a larger buffer would only hold older history.
+BUFFER_ENTRIES = 200
+FOLDER = "flight-recorder"
+FILE_PREFIX = "rank_"  # one file per rank, <prefix><rank>: the layout torchfrtrace reads
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The helpers that only hand a collective to PyTorch: the line that matters is the one that called them.
+HELPERS = (os.path.join(REPO_DIR, "multi_train_utils", "distributed_utils.py"),)
+
+
+def switch_on() -> None:
+    """Record every collective of the process groups made from now on (a user's own size is kept). Older releases
+    read the second name, and record NCCL's collectives only."""
+    renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")  # the old name is deprecated there
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE", str(BUFFER_ENTRIES))
+
+
+def recorded() -> dict[str, Any] | None:
+    """This process's record, as PyTorch dumps it; None where this release has no recorder."""
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    try:
+        return pickle.loads(dump(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+    except Exception:  # a release whose dump takes other arguments, or has nothing to dump for this backend
+        return None
+
+
+def where_this_rank_waits(run_dir: Path | None, rank: int) -> str:
+    """Write this rank's record into `run_dir`'s flight-recorder folder (when there is one) and say where the
+    rank waits: the collective it called last, its sequence number and the line that called it; or why that
+    cannot be said."""
+    record = recorded()
+    if not record or not record.get("entries"):
+        return (f"waits in a collective this PyTorch ({torch.__version__}) does not record for "
+                f"{dist.get_backend() if dist.is_initialized() else 'this'} (its flight recorder records gloo's "
+                "collectives in newer releases)")
+    if run_dir is not None:
+        folder = Path(run_dir) / FOLDER
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{FILE_PREFIX}{rank}").write_bytes(pickle.dumps(with_groups_named(record)))
+        except OSError:
+            pass  # the run folder is gone or full: the sentence below still says where the rank waits
+    return waits_in(record["entries"][-1])
+
+
+def with_groups_named(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with every process group its entries name in its configuration: gloo's records leave the default
+    group's name out there (torch 2.14 files it under ""), and torchfrtrace then fails to read them."""
+    groups = record.setdefault("pg_config", {})
+    unnamed = groups.get("", {})
+    for name, desc in {tuple(entry.get("process_group", ("", ""))) for entry in record["entries"]}:
+        groups.setdefault(name, {**unnamed, "name": name, "desc": desc})
+    return record
+
+
+def waits_in(entry: dict[str, Any]) -> str:
+    """The sentence for one recorded collective: its kind and number, what in PyTorch ran it, and who called it."""
+    kind = entry.get("profiling_name", "a collective").split(":")[-1]
+    number = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
+    frames = entry.get("frames") or []
+    names = {frame.get("name") for frame in frames if frame.get("filename", "").startswith(TORCH_DIR)}
+    through = (" (DDP averaging the gradients, in backward())" if "_engine_run_backward" in names else
+               " (DDP's forward)" if "_pre_forward" in names else "")
+    caller = next((frame for frame in frames if not frame.get("filename", "").startswith(TORCH_DIR)
+                   and frame.get("filename") not in HELPERS), None)
+    called = ""
+    if caller is not None:
+        where = caller["filename"]
+        where = where[len(REPO_DIR):] if where.startswith(REPO_DIR) else where
+        called = f", called from {caller.get('name')} ({where}:{caller.get('line')})"
+    return f"waits in {kind} #{number}{through}{called}"
+
+
+def how_to_read(run_dir: Path | None) -> str:
+    """Where the records are and the command that reads them side by side."""
+    if run_dir is None:
+        return ""
+    folder = Path(run_dir) / FOLDER
+    return f"each rank's record of its collectives: {folder}/ (compared by PyTorch's torchfrtrace {folder})"
