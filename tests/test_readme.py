@@ -97,7 +97,7 @@ BENCHMARK_COMMAND = re.compile(r"bench/\w*benchmark\.py")
 
 
 def with_marks(command: str) -> pytest.param:
-    marks = [pytest.mark.benchmarks] if BENCHMARK_COMMAND.search(command) else []
+    marks = [pytest.mark.benchmarks] if BENCHMARK_COMMAND.search(command) else [pytest.mark.commands]
     return pytest.param(command, id=command, marks=marks)
 
 
