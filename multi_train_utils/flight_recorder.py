@@ -2,9 +2,9 @@
 
 The recorder keeps, in a small ring buffer of each process, every collective the process called: its kind, its
 sequence number in the process group, and the Python stack that called it. It is switched on before the processes
-meet and read only after a collective has failed: the record is then written into the run folder (one file per
-rank, which `torchfrtrace` reads) and its last entry becomes the sentence a learner reads, e.g. "waits in
-all_reduce #57, called from evaluate (multi_train_utils/train_eval_utils.py:190)".
+meet (launch.record_collectives) and read only after a collective has failed: the record is then written into the
+run folder (one file per rank, which `torchfrtrace` reads) and its last entry becomes the sentence a learner reads,
+e.g. "waits in all_reduce #57, called from evaluate (multi_train_utils/train_eval_utils.py:190)".
 """
 
 from __future__ import annotations
@@ -17,22 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# Entries each process keeps: the last few steps' collectives, which is all a hang needs; each entry is a few
-# hundred bytes and recorded whatever the size, so a larger buffer would only hold older history.
-BUFFER_ENTRIES = 200
 FOLDER = "flight-recorder"
 FILE_PREFIX = "rank_"  # one file per rank, <prefix><rank>: the layout torchfrtrace reads
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # The helpers that only hand a collective to PyTorch: the line that matters is the one that called them.
 HELPERS = (os.path.join(REPO_DIR, "multi_train_utils", "distributed_utils.py"),)
-
-
-def switch_on() -> None:
-    """Record every collective of the process groups made from now on (a user's own size is kept). Older releases
-    read the second name, and record NCCL's collectives only."""
-    renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")  # the old name is deprecated there
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE", str(BUFFER_ENTRIES))
 
 
 def recorded() -> dict[str, Any] | None:

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from .errors import GroupNotFormedError, UserInputError, _Ending, signals_end_the_wait
-from .flight_recorder import switch_on as switch_on_flight_recorder
 from .meeting import choose_gloo_interface, meeting_failure
 
 # SLURM gives no port; every job on a node needs its own, so derive one from the job id.
@@ -37,6 +36,9 @@ SLURM_PORT_RANGE = 10000
 PROCESSES_PER_MACHINE_FLAG = {"torchrun": "--nproc_per_node", "slurm": "--ntasks-per-node", "spawn": "--world-size"}
 LAUNCHER_POLL_S = 1.0
 KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU wait), SIGKILL does
+# Collectives each process's flight recorder keeps: the last few steps', all a hang needs; each entry is a few
+# hundred bytes, and recorded whatever the size, so a larger buffer would only hold older history.
+FLIGHT_RECORDER_ENTRIES = 200
 
 
 @dataclass(frozen=True)
@@ -242,13 +244,22 @@ def process_device(launch: Launch, requested: str | None) -> torch.device:
     return device
 
 
+def record_collectives() -> None:
+    """Switch on PyTorch's flight recorder for the process groups made from now on: every collective, its number
+    and the stack that called it, which flight_recorder.py reads once a collective has failed. A user's own size
+    is kept; releases without `_dump_fr_trace` read the older name (and record NCCL's collectives only)."""
+    renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")  # the old name is deprecated there
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                          str(FLIGHT_RECORDER_ENTRIES))
+
+
 @contextlib.contextmanager
 def meeting(launch: Launch, backend: str, dist_url: str, timeout_s: float) -> Iterator[dist.Store | None]:
     """Around init_process_group: where the processes meet (srun's first node; after a torchrun restart, a store of
     the new attempt's own; across machines, gloo's network interface); Ctrl-C and the stop signals end the wait at
-    once; a failure to meet ends in one line (meeting.py). The group records its collectives (flight_recorder.py).
+    once; a failure to meet ends in one line (meeting.py). The group records its collectives.
     Yields the store to meet in, or None: dist_url's."""
-    switch_on_flight_recorder()
+    record_collectives()
     if launch.source == "slurm":
         os.environ.update(srun_meeting_point(os.environ))
     if not tcp_store_uses_libuv():

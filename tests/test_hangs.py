@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, torchrun
-from multi_train_utils import flight_recorder
+from multi_train_utils import flight_recorder, launch
 
 DIST_TIMEOUT_S = 5
 LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache", "build",
@@ -183,8 +183,8 @@ def test_the_recorder_is_switched_on_before_the_processes_meet_and_a_users_size_
     name = "TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE"
     for any_name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(any_name, raising=False)
-    flight_recorder.switch_on()
-    assert os.environ[name] == str(flight_recorder.BUFFER_ENTRIES)
+    launch.record_collectives()
+    assert os.environ[name] == str(launch.FLIGHT_RECORDER_ENTRIES)
     monkeypatch.setenv(name, "5000")
-    flight_recorder.switch_on()
+    launch.record_collectives()
     assert os.environ[name] == "5000"
