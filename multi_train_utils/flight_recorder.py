@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .versions import flight_recorder_dump
+
 FOLDER = "flight-recorder"
 FILE_PREFIX = "rank_"  # one file per rank, <prefix><rank>: the layout torchfrtrace reads
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -27,14 +29,8 @@ HELPERS = (os.path.join(REPO_DIR, "multi_train_utils", "distributed_utils.py"),)
 
 def recorded() -> dict[str, Any] | None:
     """This process's record, as PyTorch dumps it; None where this release has no recorder."""
-    c10d = torch._C._distributed_c10d
-    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    if dump is None:
-        return None
-    try:
-        return pickle.loads(dump(includeCollectives=True, includeStackTraces=True, onlyActive=False))
-    except Exception:  # a release whose dump takes other arguments, or has nothing to dump for this backend
-        return None
+    dump = flight_recorder_dump()
+    return pickle.loads(dump) if dump is not None else None
 
 
 def where_this_rank_waits(run_dir: Path | None, rank: int) -> str:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .errors import GroupNotFormedError, UserInputError, _Ending, signals_end_the_wait
 from .meeting import choose_gloo_interface, meeting_failure
+from .versions import flight_recorder_size_variable
 
 # SLURM gives no port; every job on a node needs its own, so derive one from the job id.
 SLURM_PORT_BASE = 20000
@@ -247,10 +248,8 @@ def process_device(launch: Launch, requested: str | None) -> torch.device:
 def record_collectives() -> None:
     """Switch on PyTorch's flight recorder for the process groups made from now on: every collective, its number
     and the stack that called it, which flight_recorder.py reads once a collective has failed. A user's own size
-    is kept; releases without `_dump_fr_trace` read the older name (and record NCCL's collectives only)."""
-    renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")  # the old name is deprecated there
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                          str(FLIGHT_RECORDER_ENTRIES))
+    is kept. Older releases record NCCL's collectives only."""
+    os.environ.setdefault(flight_recorder_size_variable(), str(FLIGHT_RECORDER_ENTRIES))
 
 
 @contextlib.contextmanager

@@ -65,6 +65,31 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def flight_recorder_dump() -> bytes | None:
+    """This process's flight-recorder record (its collectives, numbered, with the stacks that called them), pickled;
+    None where the release has no dump to give. Private in every release up to 2.14: `_dump_fr_trace` covers every
+    backend; releases without it have `_dump_nccl_trace`, which records NCCL's collectives only."""
+    import torch
+
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    try:
+        return dump(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+    except Exception:  # a release whose dump takes other arguments
+        return None
+
+
+def flight_recorder_size_variable() -> str:
+    """The environment variable that sizes the flight recorder, read when a process group is made: renamed in the
+    releases that have `_dump_fr_trace`, which call the old name deprecated."""
+    import torch
+
+    renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
+    return "TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+
+
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes in bfloat16 natively (AVX512-BF16 or AMX). Without them, bf16 autocast is
     emulated, and was 25 times slower than float32 for ResNet-34 on an AVX2-only CPU."""

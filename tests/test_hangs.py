@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, torchrun
-from multi_train_utils import flight_recorder, launch
+from multi_train_utils import flight_recorder, launch, versions
 
 DIST_TIMEOUT_S = 5
 LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache", "build",
@@ -179,8 +178,7 @@ def test_a_record_names_every_group_its_entries_name_for_torchfrtrace() -> None:
 def test_the_recorder_is_switched_on_before_the_processes_meet_and_a_users_size_is_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # the name this release reads (older ones read the second, which newer ones call deprecated)
-    renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
-    name = "TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    name = versions.flight_recorder_size_variable()
     for any_name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(any_name, raising=False)
     launch.record_collectives()

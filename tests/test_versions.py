@@ -129,6 +129,22 @@ def test_without_the_private_abort_the_default_group_is_aborted_itself(monkeypat
     assert world.aborted
 
 
+def test_the_flight_recorder_is_read_and_sized_through_the_name_each_release_has(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Releases with `_dump_fr_trace` read TORCH_FR_BUFFER_SIZE; before it, `_dump_nccl_trace` and the older
+    variable; with neither, there is no record to read."""
+    c10d = torch._C._distributed_c10d
+    for name in ("_dump_fr_trace", "_dump_nccl_trace"):
+        monkeypatch.delattr(c10d, name, raising=False)
+    assert versions.flight_recorder_dump() is None
+    assert versions.flight_recorder_size_variable() == "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda **kwargs: b"nccl's", raising=False)
+    assert versions.flight_recorder_dump() == b"nccl's"
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda **kwargs: b"every backend's", raising=False)
+    assert versions.flight_recorder_dump() == b"every backend's"
+    assert versions.flight_recorder_size_variable() == "TORCH_FR_BUFFER_SIZE"
+
+
 @pytest.mark.skipif(not hasattr(torch._C._distributed_c10d.ProcessGroup, "abort"),
                     reason="ProcessGroup.abort came with torch 2.7")
 def test_the_abort_fallback_runs_on_a_real_group(monkeypatch: pytest.MonkeyPatch) -> None:
