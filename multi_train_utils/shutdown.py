@@ -299,11 +299,10 @@ def stopped_ranks(rank: int, how: str, waits: str, settle_s: float = 2.0) -> dic
     def noted(store: dist.Store) -> dict[int, tuple[str, str]]:
         store.set(f"collective_failed/{rank}", f"{how}\t{waits}")
         time.sleep(settle_s)
-        keys = {other: f"collective_failed/{other}" for other in range(dist.get_world_size())}
         found = {}
-        for other, key in keys.items():
-            if store.check([key]):
-                noted_how, _, noted_waits = store.get(key).decode().partition("\t")
+        for other in range(dist.get_world_size()):
+            if store.check([f"collective_failed/{other}"]):
+                noted_how, _, noted_waits = store.get(f"collective_failed/{other}").decode().partition("\t")
                 found[other] = (noted_how, noted_waits)
         return found
 

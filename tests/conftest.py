@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 # background (`python -m pytest &`) leaves SIGINT ignored, and an ignored signal stays ignored across exec.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 # The multi-process tests start several Python processes on 2 cores; keep every step tiny.
+# What a copy of the repository leaves out: what git ignores, runs' outputs and the downloaded data.
+LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache", "build")
 TINY_FLAGS = ["--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--epochs", "1",
               "--workers", "0", "--device", "cpu", "--lr", "0.01"]
 
@@ -111,6 +114,13 @@ def run_single_in_this_process(argv: list[str]) -> subprocess.CompletedProcess:
         finally:
             errors._Ending.under_way = False  # a process ends once; a test may end several runs here
     return subprocess.CompletedProcess(["train_single_gpu.py", *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
+def copy_of_the_repository(folder: Path) -> Path:
+    """A copy of the repository's own files in `folder`, to change as a user would (tests/test_change_it.py,
+    tests/test_hangs.py)."""
+    shutil.copytree(REPO, folder, ignore=shutil.ignore_patterns(*LEFT_OUT))
+    return folder
 
 
 def python() -> str:

@@ -11,7 +11,6 @@ import csv
 import json
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import REPO, make_image_folder, run, script_env
+from conftest import REPO, copy_of_the_repository, make_image_folder, run, script_env
 
 pytestmark = pytest.mark.docs
 
 PAGE = (REPO / "docs" / "change-it.md").read_text()
 RECIPES = dict(re.findall(r"^### (.+?)\n(.*?)(?=^### |\Z)", PAGE, flags=re.DOTALL | re.MULTILINE))
-LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache", "build")
 # What a recipe's command may start with, as a user types it, and what runs it here.
 PROGRAMS = {"python": [sys.executable], "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
 # The one command not run here, and why.
@@ -39,11 +37,6 @@ def blocks(recipe: str, language: str) -> list[str]:
 
 def commands(recipe: str) -> list[str]:
     return [line for block in blocks(recipe, "bash") for line in block.splitlines() if line.strip()]
-
-
-def copy_of_the_repository(folder: Path) -> Path:
-    shutil.copytree(REPO, folder, ignore=shutil.ignore_patterns(*LEFT_OUT))
-    return folder
 
 
 def apply(recipe: str, copy: Path, check: bool = False) -> None:

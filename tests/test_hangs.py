@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_FLAGS, free_port, make_image_folder, python, run, torchrun
+from conftest import REPO, TINY_FLAGS, copy_of_the_repository, free_port, make_image_folder, python, run, torchrun
 from multi_train_utils import flight_recorder, launch, versions
 
 DIST_TIMEOUT_S = 5
-LEFT_OUT = (".git", ".venv", "runs", "data", "output", "__pycache__", ".pytest_cache", ".ruff_cache", "build",
-            "tests", "docs", "bench")
 # Each mistake: the file, the line it goes after (its first match; before it, where it returns), the lines added
 # (indented as that line), the function they land in, and the collective that rank 0 then waits in. Which
 # collective the others wait in is whatever comes next for them (DDP's forward broadcasts the BatchNorm buffers).
@@ -42,7 +39,7 @@ SECTION = PAGE.split("## When the ranks disagree", 1)[1].split("\n## ", 1)[0]
 
 def copy_with_mistake(folder: Path, mistake: str) -> tuple[Path, int]:
     """A copy of the repository with `mistake` made in it, and the number of the mistaken collective's line."""
-    copy = shutil.copytree(REPO, folder, ignore=shutil.ignore_patterns(*LEFT_OUT))
+    copy = copy_of_the_repository(folder)
     file, anchor, added, _, _ = MISTAKES[mistake]
     path = copy / file
     if anchor is None:  # the page's diff, applied as a reader would
