@@ -1,7 +1,8 @@
 """The parts of the docs that show the code, written from the code, so that they never drift from it:
 
 - in README.md, each function named in a `<!-- generated: code FILE FUNCTION -->` marker, and the diff between
-  two scripts of a `<!-- generated: diff FILE FILE -->` marker (their functions, not their docstrings);
+  two scripts of a `<!-- generated: diff FILE FILE -->` marker (their functions, not their docstrings; its hunks
+  without line numbers, which an edit made alike to both scripts moves);
 - in docs/flags.md, the table of every flag (`<!-- generated: flags -->`), from the scripts' own parsers;
 - in docs/long-runs.md, what a resume does with each flag (`<!-- generated: resume-rules -->`), from config.ON_RESUME.
 
@@ -72,7 +73,8 @@ def generated(what: str) -> str:
         return f"```python\n{function_source(*names)}\n```\n"
     if kind == "diff":
         diff = difflib.unified_diff(functions_of(names[0]), functions_of(names[1]), *names, lineterm="", n=0)
-        return "```diff\n" + "\n".join(diff) + "\n```\n"
+        # Hunks without their line numbers: the same lines added to every script leave the diff as it was.
+        return "```diff\n" + "\n".join("@@" if line.startswith("@@") else line for line in diff) + "\n```\n"
     if kind == "flags":
         return flags_table() + "\n"
     if kind == "resume-rules":

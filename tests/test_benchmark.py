@@ -28,7 +28,12 @@ def load_script(name: str) -> ModuleType:
 
 
 benchmark = load_script("benchmark")
-plot_benchmark = load_script("plot_benchmark")
+
+
+def plot_benchmark() -> ModuleType:
+    """bench/plot_benchmark.py, which needs matplotlib (optional: requirements-plot.txt); its tests skip without it."""
+    pytest.importorskip("matplotlib")
+    return sys.modules.get("plot_benchmark") or load_script("plot_benchmark")
 
 
 def bench_args(**overrides: object) -> argparse.Namespace:
@@ -74,7 +79,7 @@ def test_with_one_process_only_its_own_figures_are_given() -> None:
     assert summary["ddp_images_per_s"] is summary["scaling_efficiency"] is summary["comm_overhead"] is None
     assert summary["epoch_time_s"]["ddp"] is None and set(summary["peak_memory_mb"]) == {"single"}
     json.dumps(summary)
-    speed, _ = plot_benchmark.draw([summary]).axes
+    speed, _ = plot_benchmark().draw([summary]).axes
     assert [bar.get_height() for bar in speed.patches] == [36.0, 0, 0]
 
 
@@ -113,7 +118,7 @@ def test_repeats_go_on_from_one_iterator_after_a_warm_up_that_drains_the_workers
 def test_the_picture_is_drawn_from_result_files(tmp_path: Path) -> None:
     summary = benchmark.summarize(bench_args(), made_up_results(), {}, 81.2, 480)
     tuned = {**summary, "workload": {**summary["workload"], "accum_steps": 4, "comm_hook": "bf16"}}
-    figure = plot_benchmark.draw([summary, tuned])
+    figure = plot_benchmark().draw([summary, tuned])
     speed, epoch = figure.axes
     assert sorted(bar.get_height() for bar in speed.patches) == sorted([36.0, 34.2, 45.0] * 2)
     assert {round(bar.get_height(), 3) for bar in epoch.patches} == {round(480 / 36.0, 3), round(480 / 34.2, 3)}
@@ -127,7 +132,7 @@ def test_a_file_that_is_not_a_result_is_one_line_naming_it(tmp_path: Path) -> No
     wrong = tmp_path / "metrics.json"
     wrong.write_text('{"epoch": 0}')
     with pytest.raises(SystemExit, match=r"^error: .*metrics\.json: not a benchmark result"):
-        plot_benchmark.read_results(wrong)
+        plot_benchmark().read_results(wrong)
 
 
 def test_the_image_folder_alone_is_summarised_without_the_synthetic_figures() -> None:

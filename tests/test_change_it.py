@@ -42,14 +42,22 @@ def commands(recipe: str) -> list[str]:
 def apply(recipe: str, copy: Path, check: bool = False) -> None:
     """The recipe's diffs, applied to `copy` (with `check`, only tried). One line of context each side is enough,
     as for a reader: a line of one's own added beside a changed line leaves the recipe as true as it was."""
+    problem = diff_problem(recipe, copy, check)
+    assert problem is None, problem
+
+
+def diff_problem(recipe: str, copy: Path, check: bool = False) -> str | None:
+    """Where the recipe's diffs no longer match the code, in a line and git's words, or None once applied."""
     for diff in blocks(recipe, "diff"):
         patch = copy.parent / "recipe.diff"
         patch.write_text(diff)
         applied = subprocess.run(["git", "apply", "-C1", "--check" if check else "--verbose", str(patch)], cwd=copy,
                                  capture_output=True, text=True)
-        assert applied.returncode == 0, (f"docs/change-it.md, {recipe!r}: its diff no longer matches the code; "
-                                         f"update the diff there\n{applied.stderr}")
         patch.unlink()
+        if applied.returncode != 0:
+            return (f"docs/change-it.md, {recipe!r}: its diff no longer matches the code; update the diff there\n"
+                    f"{applied.stderr}")
+    return None
 
 
 def run_recipe(recipe: str, copy: Path) -> list[subprocess.CompletedProcess]:
@@ -260,9 +268,19 @@ def test_every_recipe_applies_to_a_fresh_copy_and_the_minimal_version_leaves_not
     """What the runs below need first, checked in seconds: each diff applies, and the deleted modules are
     imported nowhere."""
     copy = copy_of_the_repository(tmp_path / "repo")
-    for recipe in RECIPES:
-        apply(recipe, copy, check=True)
+    problems = [diff_problem(recipe, copy, check=True) for recipe in RECIPES]
+    stale = [problem for problem in problems if problem]
+    assert stale == [], f"{len(stale)} recipe(s) to update:\n" + "\n".join(stale)
     minimal_copy(tmp_path / "minimal")
+
+
+def test_every_recipe_whose_diff_no_longer_matches_is_named(tmp_path: Path) -> None:
+    """An edit that several recipes' diffs touch names each of them at once, not the first alone."""
+    copy = copy_of_the_repository(tmp_path / "repo")
+    (copy / "model.py").write_text('"""A model of my own."""\n')
+    named = [recipe for recipe in RECIPES if diff_problem(recipe, copy, check=True)]
+    touching = [recipe for recipe in RECIPES if any("+++ b/model.py" in diff for diff in blocks(recipe, "diff"))]
+    assert len(touching) >= 2 and named == touching
 
 
 @pytest.mark.recipes

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+pytest.importorskip("matplotlib", reason="plot_runs.py draws with matplotlib (requirements-plot.txt)")
+
 import plot_runs
 from conftest import REPO
 from multi_train_utils.errors import UserInputError

@@ -180,6 +180,23 @@ def test_the_test_command_is_what_ci_runs() -> None:
         assert f"`python -m pytest -m {marker}`" in " ".join(TEXT.split()), f"the README does not say -m {marker}"
 
 
+@pytest.mark.commands
+def test_the_test_command_collects_every_test_without_the_optional_plotting_packages(tmp_path: Path) -> None:
+    """matplotlib is optional (requirements-plot.txt): without it the suite still collects, and only the tests of
+    the pictures skip."""
+    blocked = tmp_path / "no_matplotlib"
+    blocked.mkdir()
+    (blocked / "matplotlib.py").write_text("raise ModuleNotFoundError('No module named matplotlib')\n")
+    collected = run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider"],
+                    env=script_env(PYTHONPATH=f"{blocked}:{REPO}"), timeout=300)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    assert re.search(r"^\d+ tests collected", collected.stdout, re.MULTILINE), collected.stdout[-500:]
+    skipped = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_plot_runs.py",
+                   "tests/test_benchmark.py::test_the_picture_is_drawn_from_result_files"],
+                  env=script_env(PYTHONPATH=f"{blocked}:{REPO}"), timeout=300)
+    assert skipped.returncode == 0 and re.search(r"\d+ skipped", skipped.stdout), skipped.stdout[-2000:]
+
+
 def test_readme_examples_print_what_it_says() -> None:
     # The >>> examples of the ```python blocks, without the closing fences (doctest would expect them as output).
     blocks = [block for page in PAGES for block in fenced_blocks("python", TEXTS[page])]
@@ -201,6 +218,26 @@ def test_the_parts_generated_from_the_code_are_up_to_date() -> None:
 
 def prose(text: str) -> str:
     return re.sub(r"<!-- generated: .*?<!-- end generated -->", "", text, flags=re.DOTALL)
+
+
+def test_the_same_lines_added_to_every_script_leave_the_generated_diffs_as_they_were(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A change made alike to the three scripts (a criterion, an import, a call) moves the diff's lines, not its
+    text: the README's copy stays up to date."""
+    sys.path.insert(0, str(REPO / "docs"))
+    import generate
+
+    parts = re.findall(r"<!-- generated: (diff .+?) -->", TEXT)
+    assert parts, "the README shows the diffs between the scripts"
+    before = {part: generate.generated(part) for part in parts}
+    for script in ("train_single_gpu.py", "train_multi_gpu_using_launch.py", "train_multi_gpu_using_spawn.py"):
+        text = (REPO / script).read_text()
+        added = "    print('one line more')\n    print('and another')\n"
+        text = text.replace("def main(args: RunConfig) -> None:\n", "def main(args: RunConfig) -> None:\n" + added)
+        text = text.replace("\nif __name__", "\n\ndef also() -> None:\n    pass\n\nif __name__")
+        (tmp_path / script).write_text(text)
+    monkeypatch.setattr(generate, "REPO", tmp_path)
+    assert {part: generate.generated(part) for part in parts} == before
 
 
 def test_the_readme_is_read_in_one_sitting_and_links_every_page_of_docs() -> None:

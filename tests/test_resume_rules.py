@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import plot_runs
 import predict
 import train_single_gpu
 from conftest import TINY_FLAGS, make_image_folder, run_single_in_this_process
@@ -332,6 +331,7 @@ def test_a_checkpoint_without_a_part_resumes_and_says_what_that_costs(two_epochs
 
 def test_metrics_without_world_size_are_drawn_and_said(two_epochs: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    plot_runs = pytest.importorskip("plot_runs", reason="plot_runs.py draws with matplotlib (requirements-plot.txt)")
     out = tmp_path / "older"
     out.mkdir()
     lines = [{key: value for key, value in line.items() if key != "world_size"}
