@@ -1,11 +1,14 @@
-"""The models --model names: your own (register them here) and every torchvision classification model; with
-optional starting weights."""
+"""The models --model names, decided here alone (`model_source`): your own (register them here), every torchvision
+classification model, and, where timm is installed (optional: `pip install timm`), timm's as `timm/NAME`; with
+optional starting weights; and the loss they train with (`build_criterion`), the one the three scripts use."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 import torchvision
@@ -14,9 +17,11 @@ from torch import nn
 from multi_train_utils.distributed_utils import print_main
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.files import load_file
+from multi_train_utils.train_eval_utils import class_logits
 
 ModelFactory = Callable[..., nn.Module]  # called as factory(num_classes=N)
 MODELS: dict[str, ModelFactory] = {}  # your own models, by the name --model gives them
+TIMM = "timm/"  # --model timm/resnet50: timm's resnet50, where timm is installed
 # torchvision's two models with auxiliary classifiers return those outputs beside the logits while training, which
 # the loss does not take: built without them (their weights initialised as torchvision does, without its warning).
 WITHOUT_AUX_LOGITS = {"googlenet": {"aux_logits": False, "init_weights": True},
@@ -34,24 +39,56 @@ def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
     return register
 
 
-def model_names() -> list[str]:
-    """The names --model takes: the models registered here, then torchvision's classification models."""
-    return [*MODELS, *torchvision.models.list_models(module=torchvision.models)]
+def model_source(name: str) -> str:
+    """Where --model `name` comes from: "own" (registered here), "timm" (timm/NAME) or "torchvision"; any other
+    name is refused in one line. Building, weights and the checks all ask here."""
+    if name in MODELS:
+        return "own"
+    if name.startswith(TIMM):
+        if not timm_module(name).is_model(name.removeprefix(TIMM)):
+            raise UserInputError(f"--model {name}: timm has no model {name.removeprefix(TIMM)!r} (timm.list_models() "
+                                 "lists them, such as timm/resnet50 or timm/convnext_tiny)")
+        return "timm"
+    if name in torchvision.models.list_models(module=torchvision.models):
+        return "torchvision"
+    own = f"; or one of your own: {', '.join(MODELS)}" if MODELS else ""
+    raise UserInputError(f"--model {name!r}: neither a model registered in model.py, nor a torchvision "
+                         f"classification model (for example resnet18, resnet34, mobilenet_v3_small), nor timm/NAME "
+                         f"for a model of timm{own}")
 
 
-def check_model_name(name: str) -> None:
-    if name not in model_names():
-        own = f"; or one of your own: {', '.join(MODELS)}" if MODELS else ""
-        raise UserInputError(f"--model {name!r}: neither a model registered in model.py nor a torchvision "
-                             f"classification model (for example resnet18, resnet34, mobilenet_v3_small{own})")
+def timm_module(name: str) -> ModuleType:
+    """timm, optional: imported only for a --model timm/NAME."""
+    try:
+        import timm
+    except ModuleNotFoundError:
+        raise UserInputError(f"--model {name}: a timm model, and timm is not installed here: pip install timm"
+                             ) from None
+    return timm
 
 
 def create_model(name: str = "resnet34", num_classes: int = 1000) -> nn.Module:
     """A freshly initialised model with `num_classes` outputs."""
-    check_model_name(name)
-    if name in MODELS:
+    source = model_source(name)
+    if source == "own":
         return MODELS[name](num_classes=num_classes)
+    if source == "timm":
+        return timm_module(name).create_model(name.removeprefix(TIMM), num_classes=num_classes)
     return torchvision.models.get_model(name, weights=None, num_classes=num_classes, **WITHOUT_AUX_LOGITS.get(name, {}))
+
+
+class ClassificationLoss(nn.CrossEntropyLoss):
+    """nn.CrossEntropyLoss of the class logits in whatever the model returns (train_eval_utils.class_logits): a
+    model that returns more than its logits (a second head, auxiliary outputs) trains its classifier unchanged."""
+
+    def forward(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        return super().forward(class_logits(output), labels)
+
+
+def build_criterion(label_smoothing: float = 0.0) -> nn.Module:
+    """The loss every script trains and validates with: criterion(model(images), labels), the batch's mean (with
+    MixUp or CutMix the labels are each class's share). A loss of your own replaces it here, for all three."""
+    return ClassificationLoss(label_smoothing=label_smoothing)
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -66,9 +103,6 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def weights_enum(model_name: str, weights_name: str) -> torchvision.models.WeightsEnum:
     """torchvision's published weights of that name, such as DEFAULT or IMAGENET1K_V1."""
-    if model_name in MODELS:
-        raise UserInputError(f"--weights {weights_name}: no such file ({model_name} is a model of model.py, for "
-                             "which torchvision publishes no weights)")
     published = torchvision.models.get_model_weights(model_name)
     try:
         return published[weights_name]
@@ -79,8 +113,30 @@ def weights_enum(model_name: str, weights_name: str) -> torchvision.models.Weigh
                              f"{model_name} (one of {names})") from None
 
 
+def timm_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:
+    """timm's pretrained weights: DEFAULT, or a tag of timm.list_pretrained() such as a1_in1k (needs the network)."""
+    timm, arch = timm_module(model_name), model_name.removeprefix(TIMM)
+    tags = [name.split(".", 1)[1] for name in timm.list_pretrained(f"{arch}.*")]
+    if weights_name != "DEFAULT" and weights_name not in tags:
+        raise UserInputError(f"--weights {weights_name}: no such file, and not a timm pretrained tag for {arch} "
+                             f"(DEFAULT{', or one of ' + ', '.join(tags[:8]) if tags else '; timm has none'})")
+    try:
+        named = arch if weights_name == "DEFAULT" else f"{arch}.{weights_name}"
+        return timm.create_model(named, pretrained=True).state_dict()
+    except Exception as err:
+        raise UserInputError(f"--weights {weights_name}: timm could not load {arch}'s pretrained weights "
+                             f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); download them "
+                             "elsewhere and pass the file's path instead") from None
+
+
 def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:
-    """torchvision's published weights (needs the network once)."""
+    """The published weights of that name, torchvision's or timm's (needs the network once)."""
+    source = model_source(model_name)
+    if source == "own":
+        raise UserInputError(f"--weights {weights_name}: no such file ({model_name} is a model of model.py, for "
+                             "which no weights are published)")
+    if source == "timm":
+        return timm_state_dict(model_name, weights_name)
     weights = weights_enum(model_name, weights_name)
     try:
         return weights.get_state_dict(progress=False)
@@ -91,9 +147,9 @@ def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.T
 
 def check_model_input(name: str, image_size: int, batch_size: int) -> None:
     """One training forward pass on the meta device (shapes only) with the batch BatchNorm normalises, so that an
-    image size the model cannot take, a batch BatchNorm cannot normalise, or an output that is not the logits fails
-    now in one line."""
-    check_model_name(name)
+    image size the model cannot take, a batch BatchNorm cannot normalise, or an output whose class logits
+    (train_eval_utils.class_logits) cannot be found fails now in one line."""
+    model_source(name)
     try:
         with torch.device("meta"):
             model = create_model(name, num_classes=2)
@@ -105,9 +161,14 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
         raise UserInputError(f"{flag} {batch_size if flag == '--batch-size' else image_size}: {name} cannot train "
                              f"on batches of {batch_size} images of {image_size} x {image_size} px "
                              f"({str(err).splitlines()[0]})") from None
-    if not isinstance(output, torch.Tensor):
-        raise UserInputError(f"--model {name}: its forward returns a {type(output).__name__} while training, where the "
-                             "loss takes the logits alone (one tensor); make forward return them")
+    try:
+        logits = class_logits(output)
+    except (LookupError, TypeError):
+        logits = None
+    if not isinstance(logits, torch.Tensor) or logits.shape != (batch_size, 2):
+        raise UserInputError(f"--model {name}: its forward returns a {type(output).__name__} while training, in which "
+                             "train_eval_utils.class_logits finds no class logits (a tensor of batch x classes); "
+                             "return them first, or change class_logits to find them")
 
 
 def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = False) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from model import check_model_name, create_model, read_state_dict
+from model import create_model, model_source, read_state_dict
 from multi_train_utils.checkpoint import state_dict_mismatch
 from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLineErrorParser, at_least, path_text
 from multi_train_utils.errors import UserInputError, one_line, report
@@ -29,6 +29,7 @@ from multi_train_utils.files import load_file
 from multi_train_utils.launch import resolve_device, use_device
 from multi_train_utils.recorder import CHECKPOINT_NAME
 from multi_train_utils.step import to_model_input
+from multi_train_utils.train_eval_utils import class_logits
 from my_dataset import UnreadableImageError, build_transforms, decode_rgb
 from utils import IMAGE_EXTENSIONS, list_images
 
@@ -121,7 +122,7 @@ def predict(model: nn.Module, paths: list[str], image_size: int, device: torch.d
             except (UnreadableImageError, OSError) as err:
                 report(f"error: {err}")
         if images:
-            logits = model(to_model_input(torch.stack(images), device))
+            logits = class_logits(model(to_model_input(torch.stack(images), device)))
             yield from zip(readable, logits.float().softmax(dim=1).cpu(), strict=True)
 
 
@@ -137,7 +138,7 @@ def describe(path: str, probabilities: torch.Tensor, class_names: list[str], top
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     if args.model:
-        check_model_name(args.model)
+        model_source(args.model)
     run = read_run(args)
     device = resolve_device(args.device, 0, distributed=False)
     use_device(device)

@@ -10,9 +10,8 @@ from multi_train_utils.errors import quiet_ctrl_c_while_starting
 quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
 
 import torch.multiprocessing as mp
-from torch import nn
 
-from model import build_model
+from model import build_criterion, build_model
 from multi_train_utils.cli import ends_in_one_line, run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
@@ -24,7 +23,7 @@ from multi_train_utils.distributed_utils import (
     print_main,
     wrap_ddp,
 )
-from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
+from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
 from multi_train_utils.recorder import RunRecorder, find_saved_run
 from multi_train_utils.spawn_utils import (
     meeting_on_a_free_port,
@@ -72,13 +71,13 @@ def train(args: RunConfig, ctx: DistContext) -> None:
     # DDP's own keyword arguments go through: a body frozen while DDP all-reduces leaves unused parameters.
     model = wrap_ddp(model, ctx, args.syncBN, args.compile, args.comm_hook, bucket_cap_mb=args.bucket_cap_mb,
                      find_unused_parameters=args.freeze_layers)
-    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)  # for training and validation
+    criterion = build_criterion(args.label_smoothing)  # for training and validation
     if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
         evaluate_only(model, criterion, val_loader, ctx.device, options, data.class_names)
         return
     # One step now learns from world_size x accum_steps x --batch-size images, so it may take a
     # proportionally larger step (the linear scaling rule, Goyal et al. 2017).
-    lr = args.lr * ctx.world_size * args.accum_steps
+    lr = scaled_lr(args.lr, ctx.world_size, args.accum_steps)
     print_main(f"lr {args.lr} x {ctx.world_size} process(es) x {args.accum_steps} accumulated batch(es) = {lr:g}")
     optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step

@@ -11,14 +11,13 @@ from multi_train_utils.errors import quiet_ctrl_c_while_starting
 quiet_ctrl_c_while_starting()  # first: the imports below take seconds, and Ctrl-C meanwhile says one line
 
 import torch
-from torch import nn
 
-from model import build_model
+from model import build_criterion, build_model
 from multi_train_utils.cli import run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import single_process
-from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch
+from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
 from multi_train_utils.recorder import RunRecorder, find_saved_run
 from multi_train_utils.step import StepOptions
 from multi_train_utils.train_eval_utils import evaluate_only, fit
@@ -42,12 +41,12 @@ def main(args: RunConfig) -> None:
     model = model.to(ctx.device, memory_format=options.memory_format)
     if args.compile:
         model = torch.compile(model)
-    criterion = nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)  # for training and validation
+    criterion = build_criterion(args.label_smoothing)  # for training and validation
     if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
         evaluate_only(model, criterion, val_loader, ctx.device, options, data.class_names)
         return
     # Each optimizer step now learns from accum_steps batches (see the multi-process scripts for why).
-    optimizer = build_optimizer(model, args.opt, args.lr * args.accum_steps, args.weight_decay)
+    optimizer = build_optimizer(model, args.opt, scaled_lr(args.lr, 1, args.accum_steps), args.weight_decay)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), args.accum_steps)  # the lr moves every step
     scheduler = build_scheduler(optimizer, args.sched, args.epochs, steps_per_epoch, args.warmup_epochs, args.lrf)
     with RunRecorder(args, ctx, data, saved) as run:

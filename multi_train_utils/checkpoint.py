@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from .config import applied_changes
 from .confusion import class_figures
+from .data import SkippingSampler, sampler_name
 from .distributed_utils import (
     get_world_size,
     is_dist_avail_and_initialized,
@@ -225,6 +226,9 @@ class Checkpointer(Hook):
                        f"images are drawn again from --data-path with --seed {self.recorder.config.seed}, and differ "
                        "from the run's if the folder or the seed changed")
         changes = applied_changes(self.recorder.config, checkpoint.get("args") or {})
+        now, saved_sampler = sampler_name(self.train_loader.sampler), checkpoint.get("sampler")
+        if saved_sampler not in (None, now):  # the code changed: no flag says it
+            changes.append(f"the training sampler {saved_sampler} -> {now}")
         if changes:
             print_main(f"Changed on resume, applied from here on and kept in the checkpoints: {', '.join(changes)}")
         return self.start.epoch
@@ -237,6 +241,11 @@ class Checkpointer(Hook):
                        "augmentations are drawn anew, so the run will not end as an unbroken one would, bit for bit")
         elif len(states) == world_size:
             set_rng_state(states[dist.get_rank() if is_dist_avail_and_initialized() else 0])
+        elif isinstance(self.train_loader.sampler, SkippingSampler) and checkpoint.get("progress"):
+            print_main(f"Resuming inside an epoch with {world_size} processes instead of {len(states)}: the training "
+                       f"sampler {sampler_name(self.train_loader.sampler)} has no skip() of its own (data.py), so each "
+                       "process leaves out its share of the samples trained, counted in its own order: some images "
+                       "of this epoch may come twice and others not at all")
         else:
             print_main(f"Resuming with {world_size} processes instead of {len(states)}: the batches and the "
                        "random augmentations differ from the saved run's, not the images left to train on, and "
@@ -288,6 +297,7 @@ class Checkpointer(Hook):
             "scaler": self.options.scaler.state_dict(), "epoch": epoch,
             "progress": asdict(progress) if progress else None, "best": asdict(self.best),
             "rng": to_cpu(gather_rng_states()), "args": self.recorder.config.as_saved(), "split": self.recorder.split,
+            "sampler": sampler_name(self.train_loader.sampler),
         }
         for hook in self.hooks:
             if hook.name:

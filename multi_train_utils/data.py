@@ -10,7 +10,16 @@ it, round-robin (rank r takes r, r+N, r+2N, ...), also with one process, so that
 seed and the epoch; drop_last: the fewer than N samples that do not divide among the N processes wait for the next
 epoch instead of being repeated. After any number of batches the processes together have taken the permutation's
 first samples, so an epoch resumed after `skip(samples_seen)`, by however many processes, deals out exactly the
-samples that are left. Validation deals without padding: DistributedSampler pads every rank to the same length by
+samples that are left.
+
+A training sampler of your own is build_loaders' `sampler`, called as sampler(dataset, num_replicas, rank, seed)
+(a DistributedSampler subclass is one); it deals this process's indices of an epoch after set_epoch(epoch). To go
+on inside an epoch, a resume needs three more things of it: `skip(samples_seen)` (start this epoch after the first
+samples_seen of all processes' samples), `skipped` (this process's share of them) and `epoch_length` (this
+process's share of a whole epoch). One without them is wrapped in SkippingSampler, which leaves out this
+process's first samples_seen // num_replicas indices: exact where the sampler's order comes from its seed and
+the epoch alone (as DistributedSampler's does) and the run resumes on as many processes; on another number, a
+resume says so in one line. Validation deals without padding: DistributedSampler pads every rank to the same length by
 repeating samples (11 samples on 2 ranks become 12), which would count the repeated images twice; here ranks may
 get one sample less, so correct/total summed over ranks is exact.
 
@@ -24,14 +33,16 @@ queues before the loader sends its workers the word to stop, and each worker wai
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing.context
 import os
 import random
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,6 +93,57 @@ class ResumableDistributedSampler(DistributedSampler):
         return max(0, len(self.dataset) - self.samples_seen) // self.num_replicas
 
 
+# (dataset, num_replicas, rank, seed) -> this process's training sampler (see the module's docstring)
+SamplerFactory = Callable[[Dataset, int, int, int], Sampler[int]]
+
+
+class SkippingSampler(Sampler[int]):
+    """A training sampler without skip() of its own, made to go on inside an epoch: it leaves out this process's
+    first samples_seen // num_replicas indices of the epoch (see the module's docstring)."""
+
+    def __init__(self, sampler: Sampler[int]) -> None:
+        self.sampler, self.num_replicas = sampler, getattr(sampler, "num_replicas", 1)
+        self.skip(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        self.skip(0)
+
+    def skip(self, samples_seen: int) -> None:
+        self.samples_seen = samples_seen
+
+    @property
+    def skipped(self) -> int:
+        return self.samples_seen // self.num_replicas
+
+    @property
+    def epoch_length(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(iter(self.sampler), self.skipped, None)
+
+    def __len__(self) -> int:
+        return max(0, len(self.sampler) - self.skipped)
+
+    def __getattr__(self, name: str) -> Any:  # the sampler's own attributes, as if unwrapped
+        if name == "sampler":
+            raise AttributeError(name)
+        return getattr(self.sampler, name)
+
+
+def resumable(sampler: Sampler[int]) -> Sampler[int]:
+    """`sampler` itself where it can skip what a resumed epoch trained already, else wrapped so that it can."""
+    return sampler if all(hasattr(sampler, name) for name in ("skip", "skipped", "epoch_length")) else \
+        SkippingSampler(sampler)
+
+
+def sampler_name(sampler: Sampler[int]) -> str:
+    """The class of a training sampler, unwrapped: what a checkpoint records of it."""
+    return type(sampler.sampler if isinstance(sampler, SkippingSampler) else sampler).__qualname__
+
+
 class UnpaddedDistributedSampler(Sampler[int]):
     """Deal indices round-robin (rank r gets r, r+N, r+2N, ...) without padding (see the module's docstring)."""
 
@@ -96,8 +158,10 @@ class UnpaddedDistributedSampler(Sampler[int]):
 
 
 def build_loaders(train_set: Dataset, val_set: Dataset, batch_size: int, ctx: DistContext,
-                  workers: int | None = None, seed: int = 0) -> tuple[DataLoader, DataLoader]:
-    """Training and validation loaders for this process's share of the data."""
+                  workers: int | None = None, seed: int = 0,
+                  sampler: SamplerFactory = ResumableDistributedSampler) -> tuple[DataLoader, DataLoader]:
+    """Training and validation loaders for this process's share of the data; `sampler` deals the training images
+    (see the module's docstring for one of your own)."""
     per_process = len(train_set) // ctx.world_size
     if per_process < batch_size:
         raise UserInputError(f"--batch-size {batch_size}: larger than the {per_process} training images "
@@ -110,7 +174,7 @@ def build_loaders(train_set: Dataset, val_set: Dataset, batch_size: int, ctx: Di
                   # draw: a run resumed inside an epoch then draws the same augmentations as an unbroken one.
                   generator=torch.Generator().manual_seed(seed + ctx.rank))
     # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
-    train_loader = DataLoader(train_set, sampler=ResumableDistributedSampler(train_set, ctx.world_size, ctx.rank, seed),
+    train_loader = DataLoader(train_set, sampler=resumable(sampler(train_set, ctx.world_size, ctx.rank, seed)),
                               drop_last=True, collate_fn=getattr(train_set, "collate_fn", None), **common)
     val_loader = DataLoader(val_set, sampler=UnpaddedDistributedSampler(len(val_set), ctx.world_size, ctx.rank),
                             collate_fn=getattr(val_set, "collate_fn", None), **common)

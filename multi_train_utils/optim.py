@@ -63,6 +63,12 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.001,
     return optimizer_class(groups, lr=lr, **arguments)
 
 
+def scaled_lr(lr: float, world_size: int = 1, accum_steps: int = 1) -> float:
+    """The lr of a step that learns from world_size x accum_steps batches, where `lr` (--lr) is that of one
+    process's batch: proportionally larger (the linear scaling rule, Goyal et al. 2017). Written here alone."""
+    return lr * world_size * accum_steps
+
+
 def warmup_then(schedule: Callable[[float, float], float], lrf: float, warmup_steps: int,
                 total_steps: int) -> Callable[[int], float]:
     """The factor of the base lr at each optimizer step (not epoch: a warm-up rises smoothly): a linear warm-up

@@ -22,7 +22,7 @@ from .errors import NonFiniteLossError, UserInputError
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 AMP_CHOICES = ("off", "auto", "bf16", "fp16")
-Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> the batch's mean loss
+Criterion = Callable[[Any, torch.Tensor], torch.Tensor]  # (the model's output, targets) -> the batch's mean loss
 BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 

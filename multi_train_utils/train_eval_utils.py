@@ -52,12 +52,15 @@ tqdm.set_lock(threading.RLock())
 def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
                     data_loader: DataLoader, device: torch.device, epoch: int,
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    options: StepOptions | None = None, hooks: Hooks | None = None) -> float:
-    """Train on this process's share of one epoch; return the mean loss over all processes' images. With
-    options.accum_steps K, K batches of b images take the step of one batch of K*b (BatchNorm aside)."""
+                    options: StepOptions | None = None, hooks: Hooks | None = None, max_steps: int | None = None
+                    ) -> float:
+    """Train on this process's share of one epoch (or its first `max_steps` optimizer steps: an lr finder's, a
+    quick try's); return the mean loss over all processes' images. With options.accum_steps K, K batches of b
+    images take the step of one batch of K*b (BatchNorm aside)."""
     options, hooks = options or StepOptions(device.type), hooks or Hooks()
     model.train()
     state, bar = epoch_progress(data_loader, epoch, options, model, device)
+    last_step = None if max_steps is None else state.step + max_steps
     optimizer.zero_grad(set_to_none=True)
     with bar:
         for i, (images, labels) in enumerate(bar):
@@ -85,6 +88,8 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
             if (i + 1) % LOG_EVERY == 0:
                 state.stop_if_diverged(i)
                 bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+            if state.step == last_step:  # every rank takes as many steps: none waits in DDP's all-reduce
+                break
     state.stop_if_diverged(len(data_loader) - 1)
     totals = reduce_sums({"loss": state.loss_sum, "images": torch.tensor(float(state.images), device=device)})
     return (totals["loss"] / totals["images"]).item()
@@ -112,18 +117,38 @@ def accumulation_group(batch: int, batches: int, accum_steps: int) -> tuple[int,
     return group_size, batch == group_start + group_size - 1
 
 
-def batch_sums(logits: torch.Tensor, labels: torch.Tensor, criterion: Criterion,
+def class_logits(output: Any) -> torch.Tensor:
+    """The class logits (batch x classes) in what the model returns: the output itself, the first item of a tuple
+    or list (a model with a second head returns the classifier's first), or a dict's "logits". The accuracy, the
+    confusion matrix, predict.py and the default loss (model.build_criterion) take them through here alone: for
+    a model that returns them otherwise, change this function."""
+    if isinstance(output, torch.Tensor):
+        return output
+    return output["logits"] if isinstance(output, dict) else output[0]
+
+
+def batch_sums(output: Any, labels: torch.Tensor, criterion: Criterion,
                num_classes: int | None) -> dict[str, torch.Tensor]:
     """One validation batch's figures as sums, each by name: added up over the batches and the processes, then
     turned into the epoch's metrics by EvalResult.figures. A new metric is one more sum here, and its figure
     there; it is then exact on any number of processes, and logged everywhere."""
+    logits = class_logits(output)
     predictions = logits.argmax(dim=1)
     sums = {"correct": (predictions == labels).sum(), "total": torch.tensor(labels.numel(), device=labels.device),
             # the criterion's mean over the batch, times its size: the sum, whichever the batch sizes
-            "loss": criterion(logits.float(), labels) * labels.numel() if labels.numel() else logits.sum()}
+            "loss": criterion(in_float(output), labels) * labels.numel() if labels.numel() else logits.sum()}
     if num_classes:
         sums.update(class_sums(labels, predictions, num_classes))
     return sums
+
+
+def in_float(output: Any) -> Any:
+    """The model's output with its tensors in float32 (autocast's may be half): the loss is summed in full precision."""
+    if isinstance(output, torch.Tensor):
+        return output.float()
+    if isinstance(output, dict):
+        return {key: in_float(value) for key, value in output.items()}
+    return type(output)(map(in_float, output)) if isinstance(output, (tuple, list)) else output
 
 
 @dataclass(frozen=True)
@@ -177,8 +202,8 @@ def evaluate(model: nn.Module, criterion: Criterion, data_loader: DataLoader, de
                                disable=not (is_main_process() and sys.stdout.isatty())):
         images, labels = options.to_device(images, labels, device)
         with options.autocast():
-            logits = model(images)
-        for name, value in batch_sums(logits, labels, criterion, num_classes).items():
+            output = model(images)
+        for name, value in batch_sums(output, labels, criterion, num_classes).items():
             sums[name] += value
     return EvalResult(reduce_sums(sums))
 

@@ -154,11 +154,13 @@ def config_in(folder: Path, **changes: object) -> RunConfig:
 
 @contextlib.contextmanager
 def checkpointer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                 options: StepOptions | None = None, batches: int = 4, **changes: object) -> Iterator[Checkpointer]:
+                 options: StepOptions | None = None, batches: int = 4,
+                 loader: torch.utils.data.DataLoader | None = None, **changes: object) -> Iterator[Checkpointer]:
     """A Checkpointer writing into `folder`, as fit makes one: with a recorder (rank 0 of one process), a
-    cosine schedule over 2 epochs, and a loader of `batches` batches of 2."""
+    cosine schedule over 2 epochs, and `loader` or a loader of `batches` batches of 2."""
     split = {"class_names": ["a", "b", "c"], "train": [], "val": []}
-    loader = torch.utils.data.DataLoader(range(2 * batches), batch_size=2)
+    loader = loader or torch.utils.data.DataLoader(range(2 * batches), batch_size=2)
+    batches = len(loader)
     scheduler = build_scheduler(optimizer, epochs=2, steps_per_epoch=batches)
     with RunRecorder(config_in(folder, model="small", **changes), single_process("cpu"), split) as recorder:
         yield Checkpointer(model, optimizer, scheduler, options or StepOptions(), recorder, loader)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import model
 from model import check_model_input, create_model, load_weights
@@ -15,6 +17,7 @@ from multi_train_utils import recorder
 from multi_train_utils.distributed_utils import DistContext, batchnorm_batch_size
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.freezing import FrozenBody, classifier_of
+from multi_train_utils.train_eval_utils import batch_sums, class_logits, evaluate
 
 
 @pytest.mark.parametrize(("name", "classifier"), [("resnet18", "fc"), ("mobilenet_v3_small", "classifier.3"),
@@ -180,19 +183,91 @@ def test_the_models_with_auxiliary_classifiers_train_on_their_logits(name: str) 
     nn.CrossEntropyLoss()(model(torch.rand(2, 3, 80, 80)), torch.tensor([0, 2])).backward()
 
 
-def test_a_model_whose_training_output_is_not_a_tensor_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    class TwoHeads(nn.Module):
-        def __init__(self, num_classes: int) -> None:
-            super().__init__()
-            self.head = nn.Linear(3, num_classes)
+class TwoHeads(nn.Module):
+    """A classifier and a second head (whether the class index is odd), returned as the tuple (logits, parity)."""
 
-        def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.head(images.mean(dim=(2, 3)))
-            return logits, logits
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.body = nn.Conv2d(3, 4, 3)
+        self.head, self.parity = nn.Linear(4, num_classes), nn.Linear(4, 2)
 
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.body(images).mean(dim=(2, 3))
+        return self.head(features), self.parity(features)
+
+
+def test_a_model_with_a_second_head_trains_and_validates_on_its_class_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default loss, the accuracy and the confusion matrix take the class logits, the tuple's first item;
+    a loss of one's own gets the whole tuple."""
     monkeypatch.setitem(model.MODELS, "two_heads", TwoHeads)
-    with pytest.raises(UserInputError, match=r"^--model two_heads: its forward returns a tuple while training"):
-        check_model_input("two_heads", 32, 2)
+    check_model_input("two_heads", 32, 2)
+    net = create_model("two_heads", num_classes=3)
+    images, labels = torch.rand(6, 3, 16, 16), torch.tensor([0, 1, 2, 0, 1, 2])
+    logits, parity = net(images)
+    criterion = model.build_criterion(label_smoothing=0.1)
+    assert torch.equal(criterion((logits, parity), labels), nn.CrossEntropyLoss(label_smoothing=0.1)(logits, labels))
+    sums = batch_sums((logits, parity), labels, criterion, 3)
+    assert int(sums["correct"]) == int((logits.argmax(1) == labels).sum())
+    assert int(sums["confusion"].sum()) == 6
+    seen = []
+
+    def both_heads(output: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        seen.append(type(output))
+        return nn.functional.cross_entropy(output[0], targets) + nn.functional.cross_entropy(output[1], targets % 2)
+
+    loader = DataLoader(TensorDataset(images, labels), batch_size=3)
+    result = evaluate(net, both_heads, loader, torch.device("cpu"), num_classes=3)
+    assert seen == [tuple, tuple] and result.total == 6
+
+
+def test_a_dict_output_gives_its_logits() -> None:
+    logits = torch.rand(2, 3)
+    assert class_logits({"logits": logits, "aux": torch.rand(2, 1)}) is logits
+    assert class_logits([logits, None]) is logits and class_logits(logits) is logits
+
+
+@pytest.mark.parametrize("output", ["dict", "features first"])
+def test_a_model_whose_class_logits_cannot_be_found_is_one_line(monkeypatch: pytest.MonkeyPatch, output: str) -> None:
+    class Hidden(TwoHeads):
+        def forward(self, images: torch.Tensor) -> object:
+            logits, _ = super().forward(images)
+            return {"scores": logits} if output == "dict" else (images.flatten(1), logits)
+
+    monkeypatch.setitem(model.MODELS, "hidden", Hidden)
+    kind = "dict" if output == "dict" else "tuple"
+    with pytest.raises(UserInputError, match=rf"^--model hidden: its forward returns a {kind} while training, in which "
+                                             r"train_eval_utils.class_logits finds no class logits"):
+        check_model_input("hidden", 32, 2)
+
+
+def test_timm_models_by_name_where_timm_is_installed() -> None:
+    pytest.importorskip("timm")
+    assert model.model_source("timm/resnet18") == "timm" and model.model_source("resnet18") == "torchvision"
+    net = create_model("timm/resnet18", num_classes=3)
+    check_model_input("timm/resnet18", 32, 2)
+    with torch.no_grad():
+        assert net.eval()(torch.zeros(1, 3, 32, 32)).shape == (1, 3)
+    with pytest.raises(UserInputError, match=r"^--model timm/resnet19: timm has no model 'resnet19'"):
+        create_model("timm/resnet19", 3)
+    with pytest.raises(UserInputError, match=r"^--weights IMAGENET1K_V1: no such file, and not a timm pretrained "
+                                             r"tag for resnet18 \(DEFAULT, or one of a1_in1k, "):
+        load_weights(net, "IMAGENET1K_V1", "timm/resnet18")
+
+
+def test_without_timm_a_timm_model_is_one_line_saying_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed: importing it raises ModuleNotFoundError
+    with pytest.raises(UserInputError, match=r"^--model timm/resnet18: a timm model, and timm is not installed here: "
+                                             r"pip install timm$"):
+        check_model_input("timm/resnet18", 32, 2)
+    with pytest.raises(UserInputError, match=r"nor timm/NAME for a model of timm"):
+        model.model_source("resnet35")
+
+
+def test_weights_by_name_for_a_model_of_ones_own_say_none_are_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(model.MODELS, "two_heads", TwoHeads)
+    with pytest.raises(UserInputError, match=r"^--weights DEFAULT: no such file \(two_heads is a model of model.py, "
+                                             r"for which no weights are published\)"):
+        load_weights(create_model("two_heads", 3), "DEFAULT", "two_heads")
 
 
 def test_batch_norm_of_one_image_is_refused_unless_sync_batch_norm_sees_several_processes() -> None:

@@ -17,7 +17,7 @@ from multi_train_utils import checkpoint, files, recorder
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.step import StepOptions, autocast_dtype
+from multi_train_utils.step import Hook, Hooks, StepEnd, StepOptions, autocast_dtype
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 
@@ -204,3 +204,26 @@ def test_fp16_gradients_are_not_sent_as_fp16(monkeypatch: pytest.MonkeyPatch, am
         StepOptions.from_args(args, torch.device("cuda"))
     assert StepOptions.from_args(parse_args("launch", ["--amp", amp, "--comm-hook", "bf16"]),
                                  torch.device("cuda")).amp_dtype == torch.float16
+
+
+def test_the_loop_stops_after_max_steps_optimizer_steps_with_everything_a_step_does() -> None:
+    """max_steps=3 with --accum-steps 2 and clipping: the same weights as a whole epoch of the first 12 images
+    (three steps of two accumulated batches each), three steps told to the hooks, the loss of those images."""
+    options = StepOptions("cpu", accum_steps=2, clip_grad_norm=0.5)
+    steps: list[int] = []
+
+    class Steps(Hook):
+        def on_step_end(self, step: StepEnd) -> None:
+            steps.append(step.step)
+
+    first = ddp_workers.small_net()
+    loader = torch.utils.data.DataLoader(ddp_workers.fixed_data(40), batch_size=2)
+    loss = train_one_epoch(first, nn.CrossEntropyLoss(), ddp_workers.build_optimizer(first, lr=0.05), loader,
+                           torch.device("cpu"), 0, options=options, hooks=Hooks([Steps()]), max_steps=3)
+    whole = ddp_workers.small_net()
+    twelve = torch.utils.data.DataLoader(torch.utils.data.Subset(ddp_workers.fixed_data(40), range(12)), batch_size=2)
+    whole_loss = train_one_epoch(whole, nn.CrossEntropyLoss(), ddp_workers.build_optimizer(whole, lr=0.05), twelve,
+                                 torch.device("cpu"), 0, options=options)
+    assert steps == [1, 2, 3]
+    assert loss == pytest.approx(whole_loss)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), whole.state_dict().values(), strict=True))
