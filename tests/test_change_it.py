@@ -84,11 +84,12 @@ def metrics(run_folder: Path) -> list[dict]:
 
 
 def test_the_page_has_each_recipe_and_the_table_names_each() -> None:
-    assert list(RECIPES) == ["Your own model", "Your own data source", "A folder split already", "A loss of your own",
-                             "MixUp and CutMix", "An augmentation of your own", "Freeze the body, then train it all",
+    assert list(RECIPES) == ["Your own model", "A second head", "Your own data source", "A folder split already",
+                             "A loss of your own", "MixUp and CutMix", "An augmentation of your own",
+                             "Class-balanced sampling", "Freeze the body, then train it all",
                              "The best weights by another figure", "The optimizer and the schedule",
-                             "A figure of every step", "A metric of your own", "The engine in a script of your own",
-                             "A minimal version to teach from"]
+                             "Find the learning rate", "A figure of every step", "A metric of your own",
+                             "The engine in a script of your own", "A minimal version to teach from"]
     for recipe in RECIPES:
         assert f"[{recipe.lower()}](#" in PAGE.lower(), f"the table of docs/change-it.md does not name {recipe!r}"
 
@@ -99,6 +100,22 @@ def test_your_own_model(tmp_path: Path) -> None:
     copy, _ = recipe_in_a_copy("Your own model", tmp_path)
     weights = torch.load(copy / "runs" / "mycnn" / "weights" / "best.pth", weights_only=True)
     assert weights["classifier.weight"].shape == (5, 128), "the demo data's 5 classes"
+
+
+@pytest.mark.recipes
+@pytest.mark.slow
+def test_a_second_head(tmp_path: Path) -> None:
+    """Both heads train (under one process, and under DDP with MixUp's shared labels); validation, the confusion
+    matrix and predict.py take the class logits."""
+    copy, results = recipe_in_a_copy("A second head", tmp_path)
+    for run_name, world_size in (("parity", 1), ("parity_mix", 2)):
+        out = copy / "runs" / run_name
+        line = metrics(out)[-1]
+        assert line["world_size"] == world_size and line["val_total"] == 120
+        assert sum(map(sum, line["confusion_matrix"])) == 120
+        best = torch.load(out / "weights" / "best.pth", weights_only=True)
+        assert best["parity.weight"].shape == (2, 512) and best["fc.weight"].shape == (5, 512)
+    assert re.match(r"^data/demo_patterns/dots/dots_0000\.jpg +\w+ [01]\.\d{3} ", results[-1].stdout)
 
 
 @pytest.mark.recipes
@@ -175,6 +192,19 @@ def test_an_augmentation_of_your_own(tmp_path: Path) -> None:
 
 @pytest.mark.recipes
 @pytest.mark.slow
+def test_class_balanced_sampling(tmp_path: Path) -> None:
+    """A plain DistributedSampler subclass, without skip(): the run resumed from inside an epoch ends with the
+    unbroken run's weights, bit for bit, and the checkpoint names its sampler."""
+    copy, _ = recipe_in_a_copy("Class-balanced sampling", tmp_path)
+    first, again = copy / "runs" / "balanced", copy / "runs" / "balanced_again"
+    assert torch.load(first / "checkpoint.pth", weights_only=True)["sampler"] == "ClassBalancedSampler"
+    unbroken = torch.load(first / "weights" / "model-1.pth", weights_only=True)
+    resumed = torch.load(again / "weights" / "model-1.pth", weights_only=True)
+    assert all(torch.equal(unbroken[name], resumed[name]) for name in unbroken)
+
+
+@pytest.mark.recipes
+@pytest.mark.slow
 def test_freeze_the_body_then_train_it_all(tmp_path: Path) -> None:
     """Under DDP: in epoch 0 only the classifier moved; from epoch 1 every layer does."""
     copy, _ = recipe_in_a_copy("Freeze the body, then train it all", tmp_path)
@@ -208,6 +238,21 @@ def test_the_optimizer_and_the_schedule(tmp_path: Path) -> None:
     assert "exp_avg" in next(iter(adamw["optimizer"]["state"].values())), "AdamW's own state"
     rmsprop = torch.load(copy / "runs" / "rmsprop" / "checkpoint.pth", weights_only=True)
     assert "square_avg" in next(iter(rmsprop["optimizer"]["state"].values()))
+
+
+@pytest.mark.recipes
+@pytest.mark.slow
+def test_find_the_learning_rate(tmp_path: Path) -> None:
+    """Per-process lrs from 1e-6, on one process and under torchrun with accumulation, the step's own scaled by
+    2 processes x 2 batches; a suggestion inside the range tried; nothing written."""
+    copy, (one, two) = recipe_in_a_copy("Find the learning rate", tmp_path)
+    for result, scale in ((one, "1 times larger: 1 process(es) x 1"), (two, "4 times larger: 2 process(es) x 2")):
+        tried = [float(lr) for lr in re.findall(r"^  --lr (\S+)  loss ", result.stdout, re.MULTILINE)]
+        assert tried[0] == pytest.approx(1e-6) and tried == sorted(tried)
+        said = rf"^Suggested: --lr (\S+) \(of one process's batch; the scripts take steps {re.escape(scale)}"
+        (suggested,) = re.findall(said, result.stdout, re.MULTILINE)
+        assert 1e-7 <= float(suggested) <= 0.1
+    assert not (copy / "output").exists() and not (copy / "runs").exists()
 
 
 @pytest.mark.recipes
