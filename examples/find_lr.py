@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import sys
 
 import torch
 
 from model import build_criterion, build_model
-from multi_train_utils.cli import run_cli
+from multi_train_utils.cli import OneLineErrorParser, at_least, run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import (
@@ -30,6 +31,7 @@ from multi_train_utils.distributed_utils import (
     reduce_value,
     wrap_ddp,
 )
+from multi_train_utils.errors import UserInputError
 from multi_train_utils.optim import build_optimizer, scaled_lr
 from multi_train_utils.step import Hook, Hooks, StepEnd, StepOptions
 from multi_train_utils.train_eval_utils import train_one_epoch
@@ -101,13 +103,32 @@ def main(args: RunConfig, finder: argparse.Namespace) -> None:
 
 
 def finder_flags() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps to try (default 100)")
-    parser.add_argument("--lr-from", type=float, default=1e-6, help="the first --lr tried (default 1e-6)")
-    parser.add_argument("--lr-to", type=float, default=1.0, help="the last --lr tried (default 1)")
+    parser = OneLineErrorParser(description="The lr range test; besides these flags, every flag of "
+                                "train_multi_gpu_using_launch.py (python train_multi_gpu_using_launch.py --help)")
+    parser.add_argument("--steps", type=at_least(2), default=100, help="optimizer steps to try (default 100)")
+    parser.add_argument("--lr-from", type=positive, default=1e-6, help="the first --lr tried (default 1e-6)")
+    parser.add_argument("--lr-to", type=positive, default=1.0, help="the last --lr tried (default 1)")
     return parser
 
 
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def parse_finder_flags() -> tuple[argparse.Namespace, list[str]]:
+    """The finder's own flags, and the training flags left for run_cli; a wrong one ends in one line."""
+    try:
+        finder, training_flags = finder_flags().parse_known_args()
+        if finder.lr_from >= finder.lr_to:
+            raise UserInputError(f"--lr-from {finder.lr_from:g}: must be below --lr-to {finder.lr_to:g}")
+    except UserInputError as err:
+        sys.exit(f"error: {err}")
+    return finder, training_flags
+
+
 if __name__ == "__main__":
-    finder, training_flags = finder_flags().parse_known_args()
+    finder, training_flags = parse_finder_flags()
     run_cli(functools.partial(main, finder=finder), "launch", training_flags)

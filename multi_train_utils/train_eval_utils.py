@@ -148,6 +148,8 @@ def in_float(output: Any) -> Any:
         return output.float()
     if isinstance(output, dict):
         return {key: in_float(value) for key, value in output.items()}
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple, such as torchvision's InceptionOutputs
+        return type(output)(*map(in_float, output))
     return type(output)(map(in_float, output)) if isinstance(output, (tuple, list)) else output
 
 

@@ -220,10 +220,16 @@ def test_a_model_with_a_second_head_trains_and_validates_on_its_class_logits(mon
     assert seen == [tuple, tuple] and result.total == 6
 
 
-def test_a_dict_output_gives_its_logits() -> None:
+def test_a_dict_a_list_or_a_namedtuple_gives_its_logits_and_the_loss_sees_it_in_float32() -> None:
+    from torchvision.models.inception import InceptionOutputs
+
     logits = torch.rand(2, 3)
     assert class_logits({"logits": logits, "aux": torch.rand(2, 1)}) is logits
     assert class_logits([logits, None]) is logits and class_logits(logits) is logits
+    half = InceptionOutputs(logits.bfloat16(), torch.rand(2, 3).bfloat16())
+    seen = []
+    batch_sums(half, torch.tensor([0, 2]), lambda output, labels: seen.append(output) or output.logits.sum(), 3)
+    assert type(seen[0]) is InceptionOutputs and {tensor.dtype for tensor in seen[0]} == {torch.float32}
 
 
 @pytest.mark.parametrize("output", ["dict", "features first"])
