@@ -52,9 +52,9 @@ def model_source(name: str) -> str:
     if name in torchvision.models.list_models(module=torchvision.models):
         return "torchvision"
     own = f"; or one of your own: {', '.join(MODELS)}" if MODELS else ""
-    raise UserInputError(f"--model {name!r}: neither a model registered in model.py, nor a torchvision "
-                         f"classification model (for example resnet18, resnet34, mobilenet_v3_small), nor timm/NAME "
-                         f"for a model of timm{own}")
+    raise UserInputError(f"--model {name!r}: neither a model registered in model.py nor a torchvision "
+                         f"classification model (for example resnet18, resnet34, mobilenet_v3_small) nor one of "
+                         f"timm's as timm/NAME{own}")
 
 
 def timm_module(name: str) -> ModuleType:

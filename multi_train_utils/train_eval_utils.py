@@ -54,9 +54,8 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
                     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                     options: StepOptions | None = None, hooks: Hooks | None = None, max_steps: int | None = None
                     ) -> float:
-    """Train on this process's share of one epoch (or its first `max_steps` optimizer steps: an lr finder's, a
-    quick try's); return the mean loss over all processes' images. With options.accum_steps K, K batches of b
-    images take the step of one batch of K*b (BatchNorm aside)."""
+    """Train on this process's share of one epoch, or its first `max_steps` optimizer steps; return the mean loss
+    over all processes' images. With accum_steps K, K batches of b images step as one batch of K*b."""
     options, hooks = options or StepOptions(device.type), hooks or Hooks()
     model.train()
     state, bar = epoch_progress(data_loader, epoch, options, model, device)

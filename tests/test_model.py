@@ -265,7 +265,7 @@ def test_without_timm_a_timm_model_is_one_line_saying_how_to_install_it(monkeypa
     with pytest.raises(UserInputError, match=r"^--model timm/resnet18: a timm model, and timm is not installed here: "
                                              r"pip install timm$"):
         check_model_input("timm/resnet18", 32, 2)
-    with pytest.raises(UserInputError, match=r"nor timm/NAME for a model of timm"):
+    with pytest.raises(UserInputError, match=r"nor one of timm.s as timm/NAME$"):
         model.model_source("resnet35")
 
 
