@@ -35,6 +35,11 @@ SCREEN = 30  # lines
 ENGINE = REPO / "multi_train_utils"
 APPLICATION = {path.stem for path in REPO.glob("*.py")}
 OPTIONAL_FEATURES = ["ema", "periodic_checkpoints", "freezing", "gpu_decode", "pictures"]
+# The repository's modules that every run needs: any other that a run with default flags imports is a feature
+# imported whether it is asked for or not.
+EVERY_RUN = {"model", "my_dataset", "utils", "multi_train_utils", *(f"multi_train_utils.{name}" for name in (
+    "checkpoint", "cli", "config", "confusion", "data", "distributed_utils", "errors", "features", "files",
+    "flight_recorder", "launch", "meeting", "optim", "recorder", "shutdown", "step", "train_eval_utils", "versions"))}
 
 
 def own_frames(frames: list[inspect.FrameInfo], entry: str) -> list[str]:
@@ -168,7 +173,9 @@ def test_what_is_not_asked_for_is_not_imported(image_folder: Path, tmp_path: Pat
     probe = (f"import sys, runpy; sys.path.insert(0, {str(REPO)!r}); sys.argv = sys.argv[1:]\n"
              "from torch.optim.optimizer import register_optimizer_step_pre_hook\n"
              "def stop(*_):\n"
-             "    print('MODULES', sorted(m for m in sys.modules if m.startswith('multi_train_utils.')), flush=True)\n"
+             f"    own = [name for name, module in sys.modules.items() if name != '__main__' and (getattr(module, "
+             f"'__file__', None) or '').startswith({str(REPO) + '/'!r}) and '/.venv/' not in module.__file__]\n"
+             "    print('MODULES', sorted(own), flush=True)\n"
              "    raise SystemExit(0)\n"
              "register_optimizer_step_pre_hook(stop)\n"
              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
@@ -176,6 +183,9 @@ def test_what_is_not_asked_for_is_not_imported(image_folder: Path, tmp_path: Pat
     plain = run([python(), "-c", probe, str(REPO / "train_single_gpu.py"), *flags, "--output-dir", str(tmp_path / "a")])
     imported = plain.stdout.split("MODULES ", 1)[1]
     assert [feature for feature in OPTIONAL_FEATURES if f"multi_train_utils.{feature}'" in imported] == [], imported
+    unasked = sorted(set(ast.literal_eval(imported.splitlines()[0])) - EVERY_RUN)
+    assert unasked == [], (f"{unasked}: imported by a run with default flags; import a feature where its flag is on "
+                           "(features.attach), or add the module to EVERY_RUN if every run needs it")
     asked = run([python(), "-c", probe, str(REPO / "train_single_gpu.py"), *flags, "--output-dir", str(tmp_path / "b"),
                  "--model-ema", "--checkpoint-every-steps", "5", "--freeze-layers"])
     imported = asked.stdout.split("MODULES ", 1)[1]
