@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .versions import flight_recorder_dump
+from .versions import flight_recorder_dump, flight_recorder_size_variable
 
 FOLDER = "flight-recorder"
 FILE_PREFIX = "rank_"  # one file per rank, <prefix><rank>: the layout torchfrtrace reads
@@ -38,6 +38,9 @@ def where_this_rank_waits(run_dir: Path | None, rank: int) -> str:
     rank waits: the collective it called last, its sequence number and the line that called it; or why that
     cannot be said."""
     record = recorded()
+    size = flight_recorder_size_variable()
+    if os.environ.get(size, "").strip() == "0":  # a user's own choice: launch.record_collectives keeps it
+        return f"waits in a collective that nothing recorded: the flight recorder is off here ({size}=0)"
     if not record or not record.get("entries"):
         return (f"waits in a collective this PyTorch ({torch.__version__}) does not record for "
                 f"{dist.get_backend() if dist.is_initialized() else 'this'} (its flight recorder records gloo's "

@@ -183,3 +183,13 @@ def test_the_recorder_is_switched_on_before_the_processes_meet_and_a_users_size_
     monkeypatch.setenv(name, "5000")
     launch.record_collectives()
     assert os.environ[name] == "5000"
+
+
+def test_a_recorder_switched_off_by_its_user_is_said_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """TORCH_FR_BUFFER_SIZE=0 (a user's choice, which launch.record_collectives keeps): the rank's line says that
+    nothing was recorded because the recorder is off, not that this PyTorch cannot record, and nothing is written."""
+    monkeypatch.setenv(versions.flight_recorder_size_variable(), "0")
+    said = flight_recorder.where_this_rank_waits(tmp_path, 0)
+    assert said == (f"waits in a collective that nothing recorded: the flight recorder is off here "
+                    f"({versions.flight_recorder_size_variable()}=0)")
+    assert not (tmp_path / flight_recorder.FOLDER).exists()
