@@ -197,10 +197,11 @@ FLAGS = {
     "--lrf": dict(type=fraction, default=0.1, help="--sched cosine: the final lr as a fraction of --lr"),
     "--warmup-epochs": dict(type=at_least(0), default=0, help="epochs of linear lr warm-up before the schedule, "
                             "rising every optimizer step"),
-    "--model": dict(default=None, help="a model registered in model.py, or any torchvision classification "
-                    f"model, by name (default {DEFAULT_MODEL}; a resumed or validated run keeps its own)"),
-    "--weights": dict(default="", help="starting weights: a .pth file, or a torchvision weights name such as "
-                      "DEFAULT (downloads)"),
+    "--model": dict(default=None, help="a model registered in model.py, any torchvision classification model, or "
+                    f"timm/NAME where timm is installed, by name (default {DEFAULT_MODEL}; a resumed or validated run "
+                    "keeps its own)"),
+    "--weights": dict(default="", help="starting weights: a .pth file, or a published weights name such as "
+                      "DEFAULT (torchvision's, or timm's for timm/NAME; downloads)"),
     "--freeze-layers": dict(**BOOLEAN, default=False, help="train only the classifier (true/false)"),
     "--unfreeze-epoch": dict(type=at_least(1), default=None, help="with --freeze-layers: from this epoch on, every "
                              "layer trains (default: the classifier alone, always)"),
