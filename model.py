@@ -4,6 +4,7 @@ optional starting weights; and the loss they train with (`build_criterion`), the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +121,9 @@ def timm_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tenso
     if weights_name != "DEFAULT" and weights_name not in tags:
         raise UserInputError(f"--weights {weights_name}: no such file, and not a timm pretrained tag for {arch} "
                              f"(DEFAULT{', or one of ' + ', '.join(tags[:8]) if tags else '; timm has none'})")
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # its warning of each failed request would come before the one line below
     try:
         named = arch if weights_name == "DEFAULT" else f"{arch}.{weights_name}"
         return timm.create_model(named, pretrained=True).state_dict()
@@ -127,6 +131,8 @@ def timm_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tenso
         raise UserInputError(f"--weights {weights_name}: timm could not load {arch}'s pretrained weights "
                              f"({str(err).splitlines()[0] if str(err) else type(err).__name__}); download them "
                              "elsewhere and pass the file's path instead") from None
+    finally:
+        hub_log.setLevel(level)
 
 
 def download_state_dict(model_name: str, weights_name: str) -> dict[str, torch.Tensor]:

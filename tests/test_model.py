@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -258,6 +259,23 @@ def test_timm_models_by_name_where_timm_is_installed() -> None:
     with pytest.raises(UserInputError, match=r"^--weights IMAGENET1K_V1: no such file, and not a timm pretrained "
                                              r"tag for resnet18 \(DEFAULT, or one of a1_in1k, "):
         load_weights(net, "IMAGENET1K_V1", "timm/resnet18")
+
+
+def test_timm_weights_that_cannot_be_downloaded_are_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    timm = pytest.importorskip("timm")
+    net = create_model("timm/resnet18", num_classes=3)
+
+    def offline(name: str, pretrained: bool = False, **kwargs: object) -> nn.Module:
+        logging.getLogger("huggingface_hub").warning("thrown while requesting HEAD https://huggingface.co/...")
+        raise OSError("We cannot find the requested files in the local cache.\nCheck your connection.")
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    with pytest.raises(UserInputError, match=r"^--weights a1_in1k: timm could not load resnet18's pretrained weights "
+                                             r"\(We cannot find the requested files in the local cache.\); download "
+                                             "them elsewhere and pass the file's path instead$"):
+        load_weights(net, "a1_in1k", "timm/resnet18")
+    assert "thrown while requesting" not in caplog.text, "the hub's own warning would come before the line"
 
 
 def test_without_timm_a_timm_model_is_one_line_saying_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
