@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from PIL import Image
-from torch import nn
 
 from bench.loader_benchmark import loader_benchmark
-from model import build_model
+from model import build_criterion, build_model
 from multi_train_utils.cli import OneLineErrorParser, at_least, default_config, positive_float, str2bool
 from multi_train_utils.data import build_loaders
 from multi_train_utils.distributed_utils import (
@@ -69,7 +68,7 @@ PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's f
 MODES = ("single", "ddp", "nosync")
 SOURCES = ("synthetic", "folder")
 PROBE_TIMEOUT_S = 600
-CROSS_ENTROPY = nn.CrossEntropyLoss()
+CRITERION = build_criterion()  # the scripts' loss: any model they train, the benchmark measures
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -188,13 +187,13 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
         model, optimizer, options = training_setup(args, ctx, num_classes)
         options.sync_gradients = args.mode != "nosync"
         if warmup_steps:
-            train_one_epoch(model, CROSS_ENTROPY, optimizer, Take(batches, warmup_steps), ctx.device, epoch=0,
+            train_one_epoch(model, CRITERION, optimizer, Take(batches, warmup_steps), ctx.device, epoch=0,
                             options=options)
         seconds = []
         for repeat in range(args.repeats):
             synchronize(ctx)
             started = time.perf_counter()
-            train_one_epoch(model, CROSS_ENTROPY, optimizer, Take(batches, args.steps), ctx.device, epoch=1 + repeat,
+            train_one_epoch(model, CRITERION, optimizer, Take(batches, args.steps), ctx.device, epoch=1 + repeat,
                             options=options)
             synchronize(ctx)
             seconds.append(time.perf_counter() - started)
@@ -302,7 +301,7 @@ def probe_worker(rank: int, world_size: int, args: argparse.Namespace) -> None:
                                 spawn_world_size=world_size if args.probe == "spawn" else None)
     try:
         model, optimizer, options = training_setup(args, ctx, num_classes=5)
-        train_one_epoch(model, CROSS_ENTROPY, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0,
+        train_one_epoch(model, CRITERION, optimizer, synthetic_loader(args, ctx, 5, count=1), ctx.device, 0,
                         options=options)
         synchronize(ctx)
         (Path(args.probe_dir) / f"rank{ctx.rank}").write_text(str(time.time()))
