@@ -155,11 +155,12 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
     """One training forward pass on the meta device (shapes only) with the batch BatchNorm normalises, so that an
     image size the model cannot take, a batch BatchNorm cannot normalise, or an output whose class logits
     (train_eval_utils.class_logits) cannot be found fails now in one line."""
-    model_source(name)
     try:
         with torch.device("meta"):
             model = create_model(name, num_classes=2)
         output = model.train()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+    except UserInputError:
+        raise  # the name itself (model_source): a ValueError, but not the shapes' one
     except NotImplementedError:
         return  # this model cannot be built without memory: its first real step will tell
     except (RuntimeError, ValueError, AssertionError) as err:

@@ -20,7 +20,7 @@ import sys
 import torch
 
 from model import build_criterion, build_model
-from multi_train_utils.cli import OneLineErrorParser, at_least, run_cli
+from multi_train_utils.cli import OneLineErrorParser, at_least, positive_float, run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import (
@@ -85,12 +85,12 @@ def main(args: RunConfig, finder: argparse.Namespace) -> None:
     optimizer = build_optimizer(model, args.opt, finder.lr_from * scale, args.weight_decay)
     growth = (finder.lr_to / finder.lr_from) ** (1 / max(1, finder.steps - 1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: growth**step)
-    record, epoch = LossPerStep(), 0
+    criterion, record, epoch = build_criterion(args.label_smoothing), LossPerStep(), 0
     try:
         while len(record.losses) < finder.steps:  # as many epochs as the steps take
             train_loader.sampler.set_epoch(epoch)
-            train_one_epoch(model, build_criterion(args.label_smoothing), optimizer, train_loader, ctx.device, epoch,
-                            scheduler, options, Hooks([record]), max_steps=finder.steps - len(record.losses))
+            train_one_epoch(model, criterion, optimizer, train_loader, ctx.device, epoch, scheduler, options,
+                            Hooks([record]), max_steps=finder.steps - len(record.losses))
             epoch += 1
     except Diverged:
         print_main(f"The loss ran away at lr {record.lrs[-1] / scale:.2e}: the search ends there")
@@ -106,16 +106,9 @@ def finder_flags() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(description="The lr range test; besides these flags, every flag of "
                                 "train_multi_gpu_using_launch.py (python train_multi_gpu_using_launch.py --help)")
     parser.add_argument("--steps", type=at_least(2), default=100, help="optimizer steps to try (default 100)")
-    parser.add_argument("--lr-from", type=positive, default=1e-6, help="the first --lr tried (default 1e-6)")
-    parser.add_argument("--lr-to", type=positive, default=1.0, help="the last --lr tried (default 1)")
+    parser.add_argument("--lr-from", type=positive_float, default=1e-6, help="the first --lr tried (default 1e-6)")
+    parser.add_argument("--lr-to", type=positive_float, default=1.0, help="the last --lr tried (default 1)")
     return parser
-
-
-def positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
 
 
 def parse_finder_flags() -> tuple[argparse.Namespace, list[str]]:

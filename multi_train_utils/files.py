@@ -11,7 +11,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +23,23 @@ PARTIAL_SUFFIX = ".partial"
 LOW_DISK_BYTES = 64 * 2**20
 
 
+def map_tensors(function: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """`tree` (nested dicts, lists, tuples and namedtuples) with `function` applied to every tensor in it."""
+    if isinstance(tree, torch.Tensor):
+        return function(tree)
+    if isinstance(tree, dict):
+        return {key: map_tensors(function, value) for key, value in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a namedtuple, such as torchvision's InceptionOutputs
+        return type(tree)(*(map_tensors(function, value) for value in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tensors(function, value) for value in tree)
+    return tree
+
+
 def to_cpu(tree: Any) -> Any:
     """`tree` (a state dict, nested dicts and lists) with every tensor copied to the CPU, so that a file
     saved on a GPU loads with a plain torch.load on a machine without one."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {key: to_cpu(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(value) for value in tree)
-    return tree
+    return map_tensors(lambda tensor: tensor.detach().cpu(), tree)
 
 
 def save_atomic(obj: object, path: Path) -> None:

@@ -37,10 +37,10 @@ def where_this_rank_waits(run_dir: Path | None, rank: int) -> str:
     """Write this rank's record into `run_dir`'s flight-recorder folder (when there is one) and say where the
     rank waits: the collective it called last, its sequence number and the line that called it; or why that
     cannot be said."""
-    record = recorded()
     size = flight_recorder_size_variable()
     if os.environ.get(size, "").strip() == "0":  # a user's own choice: launch.record_collectives keeps it
         return f"waits in a collective that nothing recorded: the flight recorder is off here ({size}=0)"
+    record = recorded()
     if not record or not record.get("entries"):
         return (f"waits in a collective this PyTorch ({torch.__version__}) does not record for "
                 f"{dist.get_backend() if dist.is_initialized() else 'this'} (its flight recorder records gloo's "

@@ -37,6 +37,7 @@ from .distributed_utils import (
 )
 from .errors import NonFiniteLossError
 from .features import attach
+from .files import map_tensors
 from .optim import optimizer_steps_per_epoch
 from .step import Criterion, Hook, Hooks, StepEnd, StepOptions
 
@@ -134,22 +135,13 @@ def batch_sums(output: Any, labels: torch.Tensor, criterion: Criterion,
     logits = class_logits(output)
     predictions = logits.argmax(dim=1)
     sums = {"correct": (predictions == labels).sum(), "total": torch.tensor(labels.numel(), device=labels.device),
-            # the criterion's mean over the batch, times its size: the sum, whichever the batch sizes
-            "loss": criterion(in_float(output), labels) * labels.numel() if labels.numel() else logits.sum()}
+            # the criterion's mean over the batch (of the output in float32: autocast's may be half), times its size:
+            # the sum, whichever the batch sizes
+            "loss": criterion(map_tensors(torch.Tensor.float, output), labels) * labels.numel() if labels.numel()
+            else logits.sum()}
     if num_classes:
         sums.update(class_sums(labels, predictions, num_classes))
     return sums
-
-
-def in_float(output: Any) -> Any:
-    """The model's output with its tensors in float32 (autocast's may be half): the loss is summed in full precision."""
-    if isinstance(output, torch.Tensor):
-        return output.float()
-    if isinstance(output, dict):
-        return {key: in_float(value) for key, value in output.items()}
-    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple, such as torchvision's InceptionOutputs
-        return type(output)(*map(in_float, output))
-    return type(output)(map(in_float, output)) if isinstance(output, (tuple, list)) else output
 
 
 @dataclass(frozen=True)
