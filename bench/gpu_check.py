@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))  # run as `python bench/gpu_check.py` from anywher
 
 import torch
 
-from multi_train_utils.errors import require_supported_pytorch
+from multi_train_utils.versions import require_supported_pytorch
 
 require_supported_pytorch()  # on an older PyTorch: one line, before any part starts and fails on it
 

@@ -31,7 +31,7 @@ Each module has one concern, named for it:
 import importlib
 from typing import Any
 
-from .errors import require_supported_pytorch
+from .versions import require_supported_pytorch
 
 # Every program here imports this package before it does any work: on a PyTorch older than the oldest
 # supported one, it stops here with one line instead of failing later on a missing function.

@@ -1,13 +1,10 @@
 """The ways a run ends early, as exceptions; the one line that says why; how stop signals and Ctrl-C are caught
-from the first moment, and an output that closes costs nothing; and the refusal of a PyTorch older than
-supported. Standard library only: the scripts import this before anything slow (torch), and the PyTorch check
-reads torch's version.py instead of importing it (torch takes seconds, importlib.metadata a tenth of one, while
-Ctrl-C is not yet caught)."""
+from the first moment, and an output that closes costs nothing. Standard library only: the scripts import this
+before anything slow (torch), to catch Ctrl-C from the first moment."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import os
 import re
@@ -19,8 +16,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
-
-from .versions import OLDEST_TORCH, OLDEST_TORCHVISION, dotted
 
 # SIGUSR1 is what SLURM users choose for --signal; SIGUSR2 what submitit and LSF send; SIGTERM what every
 # scheduler sends last; SIGHUP what a closed terminal or ssh session sends (torchrun passes it on).
@@ -233,50 +228,6 @@ def end_on_a_signal(reader: int, rank: int, moment: str) -> None:
         for signum in received:
             if signum == signal.SIGINT or signum in STOP_SIGNALS:
                 stopped_before_training(signum, moment, rank == 0)
-
-
-def require_supported_pytorch() -> None:
-    """Exit 2 with one line, before any work, where the installed torch or torchvision is older than supported."""
-    torch_version, torchvision_version = installed_version("torch"), installed_version("torchvision")
-    if torch_version and torchvision_version and (release(torch_version) < OLDEST_TORCH
-                                                  or release(torchvision_version) < OLDEST_TORCHVISION):
-        report(pytorch_too_old(torch_version, torchvision_version))
-        sys.exit(2)
-
-
-def pytorch_too_old(torch_version: str, torchvision_version: str) -> str:
-    return (f"error: installed are torch {torch_version} and torchvision {torchvision_version}; this needs torch >= "
-            f"{dotted(OLDEST_TORCH)} and torchvision >= {dotted(OLDEST_TORCHVISION)} "
-            "(pip install -U -r requirements.txt)")
-
-
-def release(version: str) -> tuple[int, int]:
-    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
-    if not (found := re.match(r"(\d+)\.(\d+)", version)):
-        raise ValueError(f"not a release number: {version!r}")
-    return int(found[1]), int(found[2])
-
-
-def installed_version(package: str) -> str | None:
-    """The release of `package` as its version.py says, read without importing it; pip's record where it has none."""
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        return None  # not installed
-    for folder in spec.submodule_search_locations or []:
-        with contextlib.suppress(OSError), open(os.path.join(folder, "version.py")) as file:
-            if found := re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", file.read(), re.MULTILINE):
-                return found[1]
-    return recorded_version(package)
-
-
-def recorded_version(package: str) -> str | None:
-    """pip's record of the release of `package` (importlib.metadata), for a package without a version.py."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def stop_now(signum: int, frame: object = None) -> None:

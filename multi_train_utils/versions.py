@@ -2,7 +2,8 @@
 
 The oldest supported pair is the one requirements.txt names and CI tests (.ci/oldest); the newest is whatever
 pip installs. Every program stops with one line where an older pair is installed (`require_supported_pytorch`,
-run when the package is first imported). Why the oldest pair is torch 2.6 with torchvision 0.21:
+run when the package is first imported: it reads torch's version.py instead of importing torch, which takes
+seconds while Ctrl-C is not yet caught). Why the oldest pair is torch 2.6 with torchvision 0.21:
 - torch 2.6 brought ProcessContext.join(grace_period=...), with which the spawn script gives the other processes
   a few seconds to exit on their own after one failed, and kills those stuck in a collective a few seconds
   later. Older releases send SIGTERM at once and SIGKILL only after 30 s; doing otherwise there would mean
@@ -13,13 +14,20 @@ run when the package is first imported). Why the oldest pair is torch 2.6 with t
 The private PyTorch functions the engine uses are reached only from here, each behind a check that it exists
 and a fallback for a release without it.
 
-errors.require_supported_pytorch refuses an older pair. The scripts import errors (and so this) before anything
-slow, to catch Ctrl-C from the first moment: the functions here that call torch import it themselves.
+The scripts import the package (and so this) before anything slow, to catch Ctrl-C from the first moment: the
+functions here that call torch import it themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import os
+import re
+import sys
 from typing import TYPE_CHECKING
+
+from .errors import report
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -30,6 +38,50 @@ OLDEST_TORCHVISION = (0, 21)
 
 def dotted(release_number: tuple[int, int]) -> str:
     return ".".join(map(str, release_number))
+
+
+def require_supported_pytorch() -> None:
+    """Exit 2 with one line, before any work, where the installed torch or torchvision is older than supported."""
+    torch_version, torchvision_version = installed_version("torch"), installed_version("torchvision")
+    if torch_version and torchvision_version and (release(torch_version) < OLDEST_TORCH
+                                                  or release(torchvision_version) < OLDEST_TORCHVISION):
+        report(pytorch_too_old(torch_version, torchvision_version))
+        sys.exit(2)
+
+
+def pytorch_too_old(torch_version: str, torchvision_version: str) -> str:
+    return (f"error: installed are torch {torch_version} and torchvision {torchvision_version}; this needs torch >= "
+            f"{dotted(OLDEST_TORCH)} and torchvision >= {dotted(OLDEST_TORCHVISION)} "
+            "(pip install -U -r requirements.txt)")
+
+
+def release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version such as 2.6.0+cu124 or 2.7.0a0+git1a2b3c (a pre-release of 2.7 counts as 2.7)."""
+    if not (found := re.match(r"(\d+)\.(\d+)", version)):
+        raise ValueError(f"not a release number: {version!r}")
+    return int(found[1]), int(found[2])
+
+
+def installed_version(package: str) -> str | None:
+    """The release of `package` as its version.py says, read without importing it; pip's record where it has none."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        return None  # not installed
+    for folder in spec.submodule_search_locations or []:
+        with contextlib.suppress(OSError), open(os.path.join(folder, "version.py")) as file:
+            if found := re.search(r"^__version__\s*=\s*['\"]([^'\"]+)", file.read(), re.MULTILINE):
+                return found[1]
+    return recorded_version(package)
+
+
+def recorded_version(package: str) -> str | None:
+    """pip's record of the release of `package` (importlib.metadata), for a package without a version.py."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def abort_process_group() -> None:

@@ -12,10 +12,16 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import REPO, python, run
-from multi_train_utils import errors, shutdown, versions
+from multi_train_utils import shutdown, versions
 from multi_train_utils.distributed_utils import unwrap_model
-from multi_train_utils.errors import release, require_supported_pytorch
-from multi_train_utils.versions import OLDEST_TORCH, OLDEST_TORCHVISION, abort_process_group, cpu_has_bf16
+from multi_train_utils.versions import (
+    OLDEST_TORCH,
+    OLDEST_TORCHVISION,
+    abort_process_group,
+    cpu_has_bf16,
+    release,
+    require_supported_pytorch,
+)
 
 # Each program with the too old package faked; two of them in the quick tests, all in the full run.
 OLDER_PYTORCH = [("train_single_gpu.py", "torch"), ("train_multi_gpu_using_spawn.py", "torchvision"),
@@ -37,7 +43,7 @@ def test_release_numbers_compare_as_numbers_whatever_their_suffix() -> None:
 def test_an_older_pair_than_the_oldest_supported_is_refused_naming_both_versions(
         installed: tuple[str, str], supported: bool, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(errors, "installed_version", {"torch": installed[0], "torchvision": installed[1]}.get)
+    monkeypatch.setattr(versions, "installed_version", {"torch": installed[0], "torchvision": installed[1]}.get)
     if supported:
         require_supported_pytorch()
         assert capsys.readouterr().err == ""
@@ -54,9 +60,9 @@ def test_an_older_pair_than_the_oldest_supported_is_refused_naming_both_versions
 def test_the_release_is_read_from_version_py_else_from_pips_record() -> None:
     from importlib import metadata
 
-    assert errors.installed_version("torch") == torch.__version__  # torch/version.py
-    assert errors.installed_version("pytest") == metadata.version("pytest")  # a package without a version.py
-    assert errors.installed_version("no_such_package_installed") is None
+    assert versions.installed_version("torch") == torch.__version__  # torch/version.py
+    assert versions.installed_version("pytest") == metadata.version("pytest")  # a package without a version.py
+    assert versions.installed_version("no_such_package_installed") is None
 
 
 def test_the_check_runs_before_the_ctrl_c_guard_without_importing_torch_or_package_metadata() -> None:
