@@ -27,8 +27,8 @@ from multi_train_utils.cli import MAX_IMAGE_SIZE, DefaultsOnceFormatter, OneLine
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.files import load_file
 from multi_train_utils.launch import resolve_device, use_device
+from multi_train_utils.optim import to_model_input
 from multi_train_utils.recorder import CHECKPOINT_NAME
-from multi_train_utils.step import to_model_input
 from multi_train_utils.train_eval_utils import class_logits
 from my_dataset import UnreadableImageError, build_transforms, decode_rgb
 from utils import IMAGE_EXTENSIONS, list_images

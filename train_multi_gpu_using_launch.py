@@ -24,9 +24,8 @@ from multi_train_utils.distributed_utils import (
     print_main,
     wrap_ddp,
 )
-from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
+from multi_train_utils.optim import StepOptions, build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
 from multi_train_utils.recorder import RunRecorder, find_saved_run
-from multi_train_utils.step import StepOptions
 from multi_train_utils.train_eval_utils import evaluate_only, fit
 from my_dataset import batch_transform, build_datasets
 from utils import read_data

@@ -17,9 +17,8 @@ from multi_train_utils.cli import run_cli
 from multi_train_utils.config import RunConfig
 from multi_train_utils.data import build_loaders, seed_everything
 from multi_train_utils.distributed_utils import single_process
-from multi_train_utils.optim import build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
+from multi_train_utils.optim import StepOptions, build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
 from multi_train_utils.recorder import RunRecorder, find_saved_run
-from multi_train_utils.step import StepOptions
 from multi_train_utils.train_eval_utils import evaluate_only, fit
 from my_dataset import batch_transform, build_datasets
 from utils import read_data

@@ -56,9 +56,8 @@ from multi_train_utils.distributed_utils import (
 )
 from multi_train_utils.errors import UserInputError, one_line, report
 from multi_train_utils.launch import cpu_share
-from multi_train_utils.optim import build_optimizer
+from multi_train_utils.optim import AMP_CHOICES, StepOptions, build_optimizer
 from multi_train_utils.spawn_utils import meeting_on_a_free_port
-from multi_train_utils.step import AMP_CHOICES, StepOptions
 from multi_train_utils.train_eval_utils import train_one_epoch
 from my_dataset import build_datasets
 from utils import ensure_demo_data, read_data

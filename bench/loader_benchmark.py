@@ -32,7 +32,7 @@ from torchvision import transforms
 
 from multi_train_utils.data import loader_start_method
 from multi_train_utils.launch import usable_cpus
-from multi_train_utils.step import IMAGENET_MEAN, IMAGENET_STD
+from multi_train_utils.optim import IMAGENET_MEAN, IMAGENET_STD
 from my_dataset import MyDataSet, build_transforms, collate_fn, load_rgb
 from utils import read_split_data
 

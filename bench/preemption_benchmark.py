@@ -37,9 +37,8 @@ from multi_train_utils.checkpoint import Checkpointer
 from multi_train_utils.cli import default_config
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.meeting import find_free_port
-from multi_train_utils.optim import build_optimizer, build_scheduler
+from multi_train_utils.optim import StepOptions, build_optimizer, build_scheduler
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.step import StepOptions
 
 LAUNCHERS = {
     "single": [sys.executable, str(REPO / "train_single_gpu.py")],

@@ -32,8 +32,7 @@ from multi_train_utils.distributed_utils import (
     wrap_ddp,
 )
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.optim import build_optimizer, scaled_lr
-from multi_train_utils.step import Hook, Hooks, StepEnd, StepOptions
+from multi_train_utils.optim import Hook, Hooks, StepEnd, StepOptions, build_optimizer, scaled_lr
 from multi_train_utils.train_eval_utils import train_one_epoch
 from my_dataset import batch_transform, build_datasets
 from utils import read_data

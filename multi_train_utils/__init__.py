@@ -7,9 +7,10 @@ use: the scripts import `multi_train_utils.errors` before anything slow, to catc
 Each module has one concern, named for it:
   the lesson         distributed_utils (the process group: joining it, rank helpers, reductions, the DDP wrapper),
                      train_eval_utils (train_one_epoch, evaluate, and fit, which runs them epoch after epoch)
-  beside the loop    step (how each step runs: precision, memory format, accumulation; and the hooks through which
-                     the rest meets the loop), features (what a run attaches to it, in one place, and the stop at a
-                     step when a scheduler asks), optim (optimizer and lr schedule, by flag)
+  beside the loop    optim (the optimizer step: optimizer and lr schedule by flag, the lr scaling rule, how each
+                     step runs: precision, memory format, accumulation; and the hooks through which the rest meets
+                     the loop), features (what a run attaches to it, in one place, and the stop at a step when a
+                     scheduler asks)
   process set-up     launch (who started this process, its device and CPU share, where the processes meet),
                      meeting (the one line when they do not), spawn_utils (around the spawn script's mp.spawn),
                      shutdown (how every process of a job ends together), flight_recorder (where each rank

@@ -30,14 +30,13 @@ from .distributed_utils import (
 )
 from .errors import UserInputError, report
 from .files import megabytes, to_cpu
-from .optim import align_schedule, optimizer_steps_per_epoch, scheduled_lr
+from .optim import Hook, StepEnd, StepOptions, align_schedule, optimizer_steps_per_epoch, scheduled_lr
 from .recorder import (
     RunRecorder,
     SavedRun,
     model_weights,
     write_checkpoint,
 )
-from .step import Hook, StepEnd, StepOptions
 
 # Which way each --best-metric improves.
 BEST_METRICS = {"val_acc": "higher", "val_loss": "lower"}

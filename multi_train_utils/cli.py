@@ -24,10 +24,9 @@ from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S
 from .errors import UserInputError, hold_back_ctrl_c, listen_for_stop_signals, path_kind
 from .files import check_readable_file
 from .launch import Launch, detect_launch, stop_when_launcher_dies, usable_cpus
-from .optim import OPTIMIZERS, SCHEDULES
+from .optim import AMP_CHOICES, OPTIMIZERS, SCHEDULES
 from .recorder import trained_flags
 from .shutdown import end_run
-from .step import AMP_CHOICES
 
 Launcher = Literal["single", "launch", "spawn"]
 

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from .checkpoint import Best, Checkpointer, saved_best
 from .config import RunConfig
 from .distributed_utils import get_world_size, unwrap_model
+from .optim import Criterion, Hook, StepEnd
 from .recorder import RunRecorder
-from .step import Criterion, Hook, StepEnd
 
 
 def ema_decay_per_step(decay: float, batches_per_step: int) -> float:

@@ -1,6 +1,6 @@
 """What a run attaches to the training loop, wired in one place (attach): its checkpoints, which continue the saved
 run; the stop at a step when a scheduler asks, which is always on and is here; and the features its flags switch
-on, each in a module of its own, imported only when it is on. Each is a hook (step.py) of train_eval_utils.fit.
+on, each in a module of its own, imported only when it is on. Each is a hook (optim.py) of train_eval_utils.fit.
 
 Stopping when the scheduler says so: every rank stops after the same optimizer step and the run is saved there, so
 that a requeued job goes on from that step. SLURM, Kubernetes and torchrun end a job with SIGTERM and kill it a
@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader
 from .checkpoint import Checkpointer
 from .distributed_utils import any_rank, cpu_side_group, is_main_process
 from .errors import REQUEUE_EXIT_CODE, STOP_SIGNALS, Preempted, listen_for_stop_signals, report, stop_now
+from .optim import Criterion, Hook, Hooks, StepEnd, StepOptions
 from .recorder import RunRecorder
 from .shutdown import another_process_failed
-from .step import Criterion, Hook, Hooks, StepEnd, StepOptions
 
 Evaluate = Callable[..., Any]  # train_eval_utils.evaluate
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from .distributed_utils import print_main, unwrap_model
-from .step import Hook
+from .optim import Hook
 
 
 def classifier_of(model: nn.Module) -> nn.Module:

@@ -1,20 +1,29 @@
-"""The optimizer and the learning-rate schedule, chosen separately by flag (--opt, --sched, --warmup-epochs).
-
-Add your own: one entry in OPTIMIZERS or SCHEDULES, and its name is a choice of the flag.
-"""
+"""The optimizer step, as the rest of a run sees it: the optimizer and the learning-rate schedule, chosen separately
+by flag (--opt, --sched, --warmup-epochs; add your own: one entry in OPTIMIZERS or SCHEDULES, and its name is a
+choice of the flag), the lr scaling rule and the steps of an epoch, each written once; how each step runs, decided
+once from the flags so that the loop has no branches (StepOptions: autocast and fp16's loss scaling, the memory
+format, accumulated batches, gradient clipping, MixUp or CutMix); what the loop tells the hooks after each
+optimizer step (StepEnd); and the hooks through which checkpoints, stops, logs and the features the flags switch
+on meet the loop, at its edges (Hook)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from .errors import UserInputError
+from .config import RunConfig
+from .distributed_utils import print_main, reduce_sums
+from .errors import NonFiniteLossError, UserInputError
 
 # name -> (the optimizer class, its own arguments, its default --weight-decay)
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any], float]] = {
@@ -115,3 +124,194 @@ def align_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -
     for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
                                    strict=True):
         group["lr"] = base * factor(step)
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+AMP_CHOICES = ("off", "auto", "bf16", "fp16")
+Criterion = Callable[[Any, torch.Tensor], torch.Tensor]  # (the model's output, targets) -> the batch's mean loss
+BatchTransform = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def unchanged(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return images, labels
+
+
+@dataclass
+class StepOptions:
+    """How each step runs, decided once from the flags, so that the loop itself has no branches."""
+
+    device_type: str = "cpu"
+    amp_dtype: torch.dtype | None = None  # autocast's; None: float32
+    channels_last: bool = False  # NHWC: what tensor cores and oneDNN's fastest convolutions read
+    accum_steps: int = 1
+    # Loss scaling, which float16 gradients need (they underflow without); disabled, it passes everything through.
+    scaler: torch.amp.GradScaler = field(default_factory=lambda: torch.amp.GradScaler("cpu", enabled=False))
+    sync_gradients: bool = True  # False only for the benchmark's bound without communication
+    clip_grad_norm: float | None = None  # the largest L2 norm of all gradients together that a step may use
+    batch_transform: BatchTransform = unchanged  # each training batch, on the device: MixUp, CutMix
+
+    @classmethod
+    def from_args(cls, args: RunConfig, device: torch.device,
+                  batch_transform: BatchTransform | None = None) -> StepOptions:
+        dtype = None if args.amp == "off" else autocast_dtype(args.amp, device, args.comm_hook)
+        return cls(device.type, dtype, args.channels_last, args.accum_steps,
+                   torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
+                   clip_grad_norm=args.clip_grad_norm, batch_transform=batch_transform or unchanged)
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.preserve_format
+
+    def to_device(self, images: Any, labels: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_model_input(images, device, self.memory_format), labels.to(device, non_blocking=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def no_sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """DDP's no_sync on the micro-steps whose gradients only accumulate: one all-reduce per optimizer step."""
+        skip = not self.sync_gradients or not last_micro_step
+        return model.no_sync() if skip and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+
+def autocast_dtype(amp: str, device: torch.device, comm_hook: str = "none") -> torch.dtype | None:
+    """The dtype of --amp on `device`, or None for full float32. auto: bf16 where the device computes in it
+    (no loss scaling needed), fp16 on GPUs without bf16, float32 on CPUs without bf16."""
+    from .versions import cpu_has_bf16
+
+    if amp == "off":
+        return None
+    on_cuda = device.type == "cuda"
+    # including_emulation=False: older GPUs emulate bf16, and slowly; they get fp16 with loss scaling.
+    gpu_has_bf16 = on_cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    if amp == "auto" and on_cuda:
+        amp = "bf16" if gpu_has_bf16 else "fp16"
+    elif amp == "auto":
+        if cpu_has_bf16():
+            return torch.bfloat16
+        print_main("--amp: this CPU has no bfloat16 instructions, so training stays in float32")
+        return None
+    if amp == "fp16" and not on_cuda:
+        raise UserInputError("--amp fp16: float16 autocast needs a CUDA GPU; on the CPU use --amp bf16")
+    if amp == "fp16" and comm_hook == "fp16":
+        # PyTorch's fp16 hook casts the loss-scaled gradients to fp16 before dividing by the number of
+        # processes: the sum overflows at a world-size-times smaller gradient than training itself.
+        raise UserInputError("--comm-hook fp16 with fp16 autocast: the loss-scaled gradients overflow "
+                             "float16 in the all-reduce; use --comm-hook bf16")
+    if amp == "bf16" and on_cuda and not gpu_has_bf16:
+        raise UserInputError("--amp bf16: this GPU has no bfloat16; use --amp fp16")
+    if amp == "bf16" and not on_cuda and not cpu_has_bf16():
+        print_main("--amp bf16: this CPU has no bfloat16 instructions; bf16 runs emulated, much slower than float32")
+    return torch.bfloat16 if amp == "bf16" else torch.float16
+
+
+def to_model_input(images: Any, device: torch.device,
+                   memory_format: torch.memory_format = torch.preserve_format) -> torch.Tensor:
+    """A loader's batch on `device` as the model takes it: uint8 pixels become float32, ImageNet-normalised."""
+    if not isinstance(images, torch.Tensor):  # JPEG files of --decode-on gpu (gpu_decode.EncodedBatch)
+        images = images.decode_and_augment(device)
+    # Copied and laid out as uint8, a quarter of float32's bytes.
+    images = images.to(device, non_blocking=True).to(memory_format=memory_format)
+    if images.dtype != torch.uint8:
+        return images
+    mean, scale = normalisation(images.device)  # (x / 255 - mean) / std as one subtraction, one multiplication
+    return (images.float() - mean) * scale
+
+
+@functools.cache
+def normalisation(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ImageNet's mean and 1/std in pixel units, made once per device (copied every step, they would stall it)."""
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+    return mean, 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+
+
+@dataclass
+class StepEnd:
+    """What the loop tells the hooks after each optimizer step (tensors stay on the device until read)."""
+
+    epoch: int
+    step: int  # optimizer steps done in the epoch (a resumed epoch's first part included)
+    steps_per_epoch: int
+    images: int  # images this process has trained on in this call, their summed loss, their non-finite losses
+    loss_sum: torch.Tensor
+    non_finite: torch.Tensor
+    model: nn.Module
+    figures: dict[str, Any] = field(default_factory=dict)  # the step's own: loss, lr (TensorBoard draws them)
+
+    @property
+    def run_step(self) -> int:  # optimizer steps since the start of the run
+        return self.epoch * self.steps_per_epoch + self.step
+
+    def stop_if_diverged(self, batch: int) -> None:
+        """Stop every process at the same step if the loss of any of them was NaN or infinite since the last check.
+
+        One all-reduce tells every rank the same count, so all raise together; a rank that stopped alone would leave
+        the others waiting for it in their next collective.
+        """
+        count = int(reduce_sums({"non_finite": self.non_finite})["non_finite"])
+        if count:
+            raise NonFiniteLossError(f"epoch {self.epoch}, step {batch}: the training loss became NaN or infinite "
+                                     f"({count} time(s) since the last check), so training stopped; the last "
+                                     "checkpoint written is kept. Try a smaller --lr")
+
+    def count(self, loss: torch.Tensor, images: int, stepped: bool, hooks: Hooks) -> None:
+        """Add a batch's mean `loss` over `images` to the sums; after an optimizer step, tell the hooks."""
+        self.loss_sum += loss.detach().float() * images
+        self.non_finite += ~torch.isfinite(loss.detach())
+        self.images += images
+        if stepped:
+            self.step += 1
+            hooks.call("on_step_end", self)
+
+
+class Hook:
+    """A feature attached to training. Every method is optional and runs on every rank: a hook that writes
+    files does so on rank 0 alone, and one that runs a collective runs it on every rank."""
+
+    name: str | None = None  # the key of state_dict() in the checkpoint; None: the hook keeps no state
+
+    def on_fit_start(self) -> None:
+        """Before the first epoch."""
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Before the epoch's first batch is loaded."""
+
+    def on_first_batch(self, images: Any, labels: torch.Tensor) -> None:
+        """The epoch's first batch, as the loader gives it (before it moves to the device)."""
+
+    def on_step_end(self, step: StepEnd) -> None:
+        """After each optimizer step (and the schedule's)."""
+
+    def on_validation_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        """After validation; `metrics` is the epoch's line of metrics.jsonl, to which a hook may add figures."""
+
+    def on_epoch_end(self, epoch: int, metrics: dict[str, Any]) -> None:
+        """After the epoch's metrics, weights and checkpoint are written."""
+
+    def on_fit_end(self) -> None:
+        """After training, however it ended."""
+
+    def state_dict(self) -> Any:
+        """What the checkpoint keeps of this hook, under `name`."""
+        return None
+
+
+class Hooks(list):
+    """Hooks called in turn, in their order (at the end, in reverse)."""
+
+    def __init__(self, hooks: Iterable[Hook | None] = ()) -> None:
+        super().__init__(filter(None, hooks))
+
+    def call(self, event: str, *args: Any) -> None:
+        for hook in reversed(self) if event == "on_fit_end" else self:
+            getattr(hook, event)(*args)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """on_fit_start before the block, on_fit_end after it, however it ends."""
+        self.call("on_fit_start")
+        try:
+            yield
+        finally:
+            self.call("on_fit_end")

@@ -7,7 +7,7 @@ import time
 
 from .checkpoint import Checkpointer
 from .distributed_utils import any_rank, cpu_side_group, is_main_process
-from .step import Hook, StepEnd
+from .optim import Hook, StepEnd
 
 
 class PeriodicCheckpoints(Hook):

@@ -7,7 +7,7 @@ import math
 import torch
 from PIL import Image, ImageDraw
 
-from .step import IMAGENET_MEAN, IMAGENET_STD
+from .optim import IMAGENET_MEAN, IMAGENET_STD
 
 
 def denormalize(images: torch.Tensor) -> torch.Tensor:

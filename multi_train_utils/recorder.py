@@ -39,7 +39,7 @@ from .config import RunConfig
 from .distributed_utils import DistContext, read_on_main, unwrap_model
 from .errors import UserInputError
 from .files import PARTIAL_SUFFIX, cannot_write, load_file, save_atomic, to_cpu
-from .step import Hook, StepEnd
+from .optim import Hook, StepEnd
 
 CHECKPOINT_NAME = "checkpoint.pth"
 KEPT_CHECKPOINTS = "checkpoints"  # the older checkpoints that --keep-checkpoints keeps

@@ -5,7 +5,7 @@ train_one_epoch is the tutorial's loop plus what DDP really needs: each process'
 gradients inside backward() (once per group of accumulated batches), and every rank stopping at the same step when
 the loss diverges. evaluate sums its figures over the processes, exactly: no image counted twice, none left out.
 Both take the loss (the criterion) from the script that calls them. How each step runs (precision, memory format,
-accumulation) is step.py's, with the hooks through which what a run attaches to the loop (checkpoints, stops,
+accumulation) is optim.py's, with the hooks through which what a run attaches to the loop (checkpoints, stops,
 features: features.py) meets it.
 """
 
@@ -38,8 +38,7 @@ from .distributed_utils import (
 from .errors import NonFiniteLossError
 from .features import attach
 from .files import map_tensors
-from .optim import optimizer_steps_per_epoch
-from .step import Criterion, Hook, Hooks, StepEnd, StepOptions
+from .optim import Criterion, Hook, Hooks, StepEnd, StepOptions, optimizer_steps_per_epoch
 
 if TYPE_CHECKING:
     from .recorder import RunRecorder

@@ -25,9 +25,8 @@ from multi_train_utils.checkpoint import Checkpointer
 from multi_train_utils.cli import default_config
 from multi_train_utils.config import RunConfig
 from multi_train_utils.distributed_utils import single_process
-from multi_train_utils.optim import build_scheduler
+from multi_train_utils.optim import StepOptions, build_scheduler
 from multi_train_utils.recorder import RunRecorder
-from multi_train_utils.step import StepOptions
 
 REPO = Path(__file__).resolve().parent.parent
 # Ctrl-C as at a terminal, in pytest and in every process it starts: a shell script that starts pytest in the

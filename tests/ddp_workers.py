@@ -13,8 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from multi_train_utils.data import UnpaddedDistributedSampler
 from multi_train_utils.distributed_utils import DistContext, cleanup, init_distributed_mode, unwrap_model, wrap_ddp
-from multi_train_utils.optim import build_optimizer, build_scheduler
-from multi_train_utils.step import StepOptions
+from multi_train_utils.optim import StepOptions, build_optimizer, build_scheduler
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 EPOCHS = 3

@@ -39,7 +39,7 @@ OPTIONAL_FEATURES = ["ema", "periodic_checkpoints", "freezing", "gpu_decode", "p
 # imported whether it is asked for or not.
 EVERY_RUN = {"model", "my_dataset", "utils", "multi_train_utils", *(f"multi_train_utils.{name}" for name in (
     "checkpoint", "cli", "config", "confusion", "data", "distributed_utils", "errors", "features", "files",
-    "flight_recorder", "launch", "meeting", "optim", "recorder", "shutdown", "step", "train_eval_utils", "versions"))}
+    "flight_recorder", "launch", "meeting", "optim", "recorder", "shutdown", "train_eval_utils", "versions"))}
 
 
 def own_frames(frames: list[inspect.FrameInfo], entry: str) -> list[str]:

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from conftest import free_port
 from multi_train_utils.distributed_utils import single_process
-from multi_train_utils.step import StepOptions
+from multi_train_utils.optim import StepOptions
 
 
 def rendezvous_on_localhost(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,8 +18,8 @@ import multi_train_utils.data as data
 from conftest import REPO, requires_cuda
 from multi_train_utils import gpu_decode
 from multi_train_utils.distributed_utils import DistContext
+from multi_train_utils.optim import IMAGENET_MEAN, IMAGENET_STD, StepOptions, normalisation, to_model_input
 from multi_train_utils.pictures import batch_grid
-from multi_train_utils.step import IMAGENET_MEAN, IMAGENET_STD, StepOptions, normalisation, to_model_input
 from my_dataset import (
     MyDataSet,
     build_datasets,

@@ -34,9 +34,9 @@ from conftest import (
 from multi_train_utils import errors, features
 from multi_train_utils.data import ResumableDistributedSampler, leave_signals_to_the_trainer, loader_start_method
 from multi_train_utils.errors import Preempted
+from multi_train_utils.optim import StepEnd
 from multi_train_utils.periodic_checkpoints import PeriodicCheckpoints
 from multi_train_utils.recorder import write_checkpoint
-from multi_train_utils.step import StepEnd
 
 # 36 images: 30 train. 2 processes x batch 3 = 5 steps per epoch; 3 processes x batch 3 = 3 steps.
 FLAGS = [*TINY_FLAGS, "--epochs", "1", "--batch-size", "3", "--lr", "0.002"]

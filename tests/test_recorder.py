@@ -21,8 +21,8 @@ from multi_train_utils import checkpoint
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import DistContext, single_process
 from multi_train_utils.errors import UserInputError
+from multi_train_utils.optim import IMAGENET_MEAN, IMAGENET_STD, StepEnd
 from multi_train_utils.recorder import STEP_LOG_EVERY, RunRecorder, SavedRun, claim_folder
-from multi_train_utils.step import IMAGENET_MEAN, IMAGENET_STD, StepEnd
 
 SCALARS = ("train_loss", "val_loss", "val_acc", "lr", "images_per_s", "epoch_time_s")
 CLASSES = ["red", "green", "blue"]

@@ -143,8 +143,7 @@ def test_a_restarted_attempt_continues_from_the_newest_checkpoint(tmp_path: Path
 def test_resuming_on_another_world_size_follows_the_lr_of_its_batch(data: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from model import create_model
-    from multi_train_utils.optim import build_optimizer
-    from multi_train_utils.step import StepOptions
+    from multi_train_utils.optim import StepOptions, build_optimizer
 
     train(data, tmp_path / "run", "--epochs", "2")  # one process, lr 0.002
     (tmp_path / "run" / "metrics.jsonl").open("a").write('{"epoch": 2, "train_lo')  # what a kill mid-write leaves

@@ -17,7 +17,7 @@ from multi_train_utils import checkpoint, files, recorder
 from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import single_process, unwrap_model, wrap_ddp
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.step import Hook, Hooks, StepEnd, StepOptions, autocast_dtype
+from multi_train_utils.optim import Hook, Hooks, StepEnd, StepOptions, autocast_dtype
 from multi_train_utils.train_eval_utils import evaluate, train_one_epoch
 
 

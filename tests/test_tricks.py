@@ -19,8 +19,7 @@ from multi_train_utils.cli import parse_args
 from multi_train_utils.confusion import class_figures, class_sums, confusion_image, per_class
 from multi_train_utils.ema import ModelEma, ema_decay_per_step
 from multi_train_utils.errors import UserInputError
-from multi_train_utils.optim import align_schedule, build_optimizer, build_scheduler, cosine, warmup_then
-from multi_train_utils.step import StepOptions
+from multi_train_utils.optim import StepOptions, align_schedule, build_optimizer, build_scheduler, cosine, warmup_then
 from multi_train_utils.train_eval_utils import train_one_epoch
 
 
