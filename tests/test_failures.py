@@ -91,7 +91,7 @@ def test_a_missing_data_folder_is_one_line_on_every_launcher(tmp_path: Path, lau
 
 
 @pytest.mark.parametrize(("launcher", "workers"), [
-    ("single", "1"), ("spawn", "1"),
+    ("single", "1"), pytest.param("spawn", "1", marks=pytest.mark.every_launcher),
     pytest.param("single", "0", marks=pytest.mark.every_launcher),
     pytest.param("torchrun", "0", marks=pytest.mark.every_launcher)])
 def test_a_corrupt_image_is_named_in_one_line(tmp_path: Path, launcher: str, workers: str) -> None:
