@@ -202,6 +202,7 @@ def test_each_module_of_the_engine_is_listed_with_its_concern() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.commands  # the docs' `pip install -e .`, as CI's commands group runs it: a wheel built and installed
 def test_the_engine_installs_and_trains_a_script_of_your_own(tmp_path: Path) -> None:
     """examples/your_own_script.py: its own model, data and loss, fit() without a run folder, on one process and
     on two; with the engine installed as a wheel puts it, not from the checkout."""
