@@ -126,6 +126,7 @@ def align_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, step: int) -
         group["lr"] = base * factor(step)
 
 
+# How each step runs, and what the hooks hear after it: decided once from the flags, so the loop has no branches.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 AMP_CHOICES = ("off", "auto", "bf16", "fp16")
