@@ -194,10 +194,10 @@ MOMENTS = {
 }  # in training: test_stopping_a_run_ends_every_process
 
 
-# The README command takes the later moment, where the processes wait for one another in C++; CI's every_launcher
-# group takes the earlier one too.
-@pytest.mark.parametrize("moment", [pytest.param("processes starting", marks=pytest.mark.every_launcher),
-                                    "processes joining"])
+# The spawn script's processes at each moment, in CI's every_launcher group: the README command's Ctrl-C while the
+# processes meet is test_failures.py's, under the launch script.
+@pytest.mark.every_launcher
+@pytest.mark.parametrize("moment", MOMENTS)
 def test_ctrl_c_is_never_lost_whenever_it_comes(small_data: Path, tmp_path: Path, moment: str) -> None:
     """Ctrl-C reaches the spawn script, its processes and their loader workers at once: at any moment of the
     start-up or of training, the job ends with 130, says so once, and leaves no process; nothing trains on."""
