@@ -259,21 +259,3 @@ def build_transforms(image_size: int) -> tuple[v2.Compose, v2.Compose]:
     train = v2.Compose([v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()])
     val = v2.Compose([v2.Resize(round(image_size * 256 / 224), antialias=True), v2.CenterCrop(image_size)])
     return train, val
-
-
-def batch_transform(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> Callable | None:
-    """--mixup-alpha, --cutmix-alpha: blends each training batch by MixUp or CutMix (or either); None without."""
-    mixup = v2.MixUp(alpha=mixup_alpha, num_classes=num_classes) if mixup_alpha else None
-    cutmix = v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes) if cutmix_alpha else None
-    return v2.RandomChoice([mixup, cutmix]) if mixup and cutmix else mixup or cutmix
-
-
-def build_datasets(split: Any, image_size: int, decode_on: str = "cpu", device: torch.device | None = None,
-                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
-    """The training and validation datasets of a split (utils.SplitData), each with its transform."""
-    train_tf, val_tf = build_transforms(image_size)
-    train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
-    if decode_on == "gpu":  # the GPU decodes the training JPEGs, and applies the same transform there
-        from multi_train_utils.gpu_decode import decoded_on_the_gpu
-        train = decoded_on_the_gpu(train, device) or train
-    return train, MyDataSet(split.val_images_path, split.val_images_label, val_tf)

@@ -25,8 +25,7 @@ from multi_train_utils.cli import (
 )
 from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.errors import UserInputError, one_line, report, system_reason
-from my_dataset import build_datasets
-from utils import plot_data_loader_image, read_data
+from utils import build_datasets, plot_data_loader_image, read_data
 
 
 def main(argv: list[str] | None = None) -> None:

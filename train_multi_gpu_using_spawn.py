@@ -32,8 +32,7 @@ from multi_train_utils.spawn_utils import (
     wait_for_all,
 )
 from multi_train_utils.train_eval_utils import evaluate_only, fit
-from my_dataset import batch_transform, build_datasets
-from utils import read_data
+from utils import build_datasets, read_data
 
 
 def main(args: RunConfig) -> None:
@@ -64,8 +63,7 @@ def train(args: RunConfig, ctx: DistContext) -> None:
     # Checked first: BatchNorm normalises this process's batch (with --syncBN on GPUs, every process's).
     model = build_model(args.model, data.num_classes, args.weights, strict=args.eval_only,
                         trains_on=(batchnorm_batch_size(args.batch_size, ctx, args.syncBN), args.image_size))
-    mixing = batch_transform(args.mixup_alpha, args.cutmix_alpha, data.num_classes)  # MixUp, CutMix or None
-    options = StepOptions.from_args(args, ctx.device, mixing)  # --amp, --channels-last, --accum-steps, ...
+    options = StepOptions.from_args(args, ctx.device, data.num_classes)  # --amp, --accum-steps, MixUp, ...
     model = model.to(ctx.device, memory_format=options.memory_format)
     # DDP's own keyword arguments go through: a body frozen while DDP all-reduces leaves unused parameters.
     model = wrap_ddp(model, ctx, args.syncBN, args.compile, args.comm_hook, bucket_cap_mb=args.bucket_cap_mb,
@@ -74,8 +72,7 @@ def train(args: RunConfig, ctx: DistContext) -> None:
     if args.eval_only:  # validate the weights once and print the figures; nothing is trained or written
         evaluate_only(model, criterion, val_loader, ctx.device, options, data.class_names)
         return
-    # One step now learns from world_size x accum_steps x --batch-size images, so it may take a
-    # proportionally larger step (the linear scaling rule, Goyal et al. 2017).
+    # A step learns from world_size x accum_steps batches: a proportionally larger lr (Goyal et al. 2017).
     lr = scaled_lr(args.lr, ctx.world_size, args.accum_steps)
     print_main(f"lr {args.lr} x {ctx.world_size} process(es) x {args.accum_steps} accumulated batch(es) = {lr:g}")
     optimizer = build_optimizer(model, args.opt, lr, args.weight_decay)

@@ -20,8 +20,7 @@ from multi_train_utils.distributed_utils import single_process
 from multi_train_utils.optim import StepOptions, build_optimizer, build_scheduler, optimizer_steps_per_epoch, scaled_lr
 from multi_train_utils.recorder import RunRecorder, find_saved_run
 from multi_train_utils.train_eval_utils import evaluate_only, fit
-from my_dataset import batch_transform, build_datasets
-from utils import read_data
+from utils import build_datasets, read_data
 
 
 def main(args: RunConfig) -> None:
@@ -35,8 +34,7 @@ def main(args: RunConfig) -> None:
     # Checked first: the model trains on batches of this size (BatchNorm needs 2 images) and images this large.
     model = build_model(args.model, data.num_classes, args.weights, strict=args.eval_only,
                         trains_on=(args.batch_size, args.image_size))
-    mixing = batch_transform(args.mixup_alpha, args.cutmix_alpha, data.num_classes)  # MixUp, CutMix or None
-    options = StepOptions.from_args(args, ctx.device, mixing)  # --amp, --channels-last, --accum-steps, ...
+    options = StepOptions.from_args(args, ctx.device, data.num_classes)  # --amp, --accum-steps, MixUp, ...
     model = model.to(ctx.device, memory_format=options.memory_format)
     if args.compile:
         model = torch.compile(model)

@@ -1,5 +1,6 @@
-"""Reading the data into a train/validation split (the tutorial's read_split_data), the built-in demo data, and
-the tutorial's plot_data_loader_image. `read_data` is what the training scripts call.
+"""Reading the data into a train/validation split (the tutorial's read_split_data), the datasets built from it
+(my_dataset.MyDataSet with its transforms), the built-in demo data, and the tutorial's plot_data_loader_image.
+`read_data` and `build_datasets` are what the training scripts call.
 
 A data source turns `--data-path` into image paths, their class indices and the class names. A folder of
 class sub-folders is read by `read_image_folder`; a file is read by the source registered for its suffix
@@ -51,7 +52,7 @@ from multi_train_utils.distributed_utils import (
     read_on_main,
 )
 from multi_train_utils.errors import MAX_LINE, UserInputError, path_kind, shortened, system_reason
-from my_dataset import Paths, header_problem
+from my_dataset import MyDataSet, Paths, build_transforms, header_problem
 
 # Matched without regard to case: cameras write .JPG, phones .jpeg, scanners .TIF, Windows' browsers .jfif; and
 # AVIF, what browsers and phones now save, where Pillow reads it (11.3 and later).
@@ -316,17 +317,37 @@ def read_data(data_path: str | None, ctx: DistContext, seed: int = 0, num_classe
     """--data-path (or the demo data) split, or a resumed run's `saved_split`, checked before any training."""
     path = Path(data_path) if data_path else demo_data_folder(ctx)
     found = read_on_main(lambda: split_for_the_run(path, seed, saved_split))
-    if found.num_classes < 2:  # --data-path at one class's folder, say: the loss would be 0 from the first step
+    check_classes(found, path, num_classes)
+    check_image_files(found.train_images_path + found.val_images_path, ctx, seed)
+    print_main(split_summary(found, path))
+    return found
+
+
+def split_summary(found: SplitData, path: Path) -> str:
+    layout = "its train/ and val/ folders" if found.layout == "folders" else "20 % of each class validates"
+    return (f"{path}: {found.num_classes} classes, {len(found.train_images_path)} images for training, "
+            f"{len(found.val_images_path)} for validation ({layout})")
+
+
+def build_datasets(split: SplitData, image_size: int, decode_on: str = "cpu", device: torch.device | None = None,
+                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """The training and validation datasets of a split (SplitData), each with its transform."""
+    train_tf, val_tf = build_transforms(image_size)
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
+    if decode_on == "gpu":  # the GPU decodes the training JPEGs, and applies the same transform there
+        from multi_train_utils.gpu_decode import decoded_on_the_gpu
+        train = decoded_on_the_gpu(train, device) or train
+    return train, MyDataSet(split.val_images_path, split.val_images_label, val_tf)
+
+
+def check_classes(found: SplitData, path: Path, num_classes: int | None) -> None:
+    """At least 2 classes (--data-path at one class's folder would train a loss of 0), and --num_classes of them."""
+    if found.num_classes < 2:
         raise UserInputError(f"--data-path {path}: one class only ({found.class_names[0]}); a classifier learns to "
                              "tell 2 or more apart: give the folder that holds a folder per class")
     if num_classes not in (None, found.num_classes):
         raise UserInputError(f"--num_classes {num_classes}: the data in {path} has {found.num_classes} classes "
                              f"({shortened(', '.join(found.class_names), 100)})")
-    check_image_files(found.train_images_path + found.val_images_path, ctx, seed)
-    layout = "its train/ and val/ folders" if found.layout == "folders" else "20 % of each class validates"
-    print_main(f"{path}: {found.num_classes} classes, {len(found.train_images_path)} images for training, "
-               f"{len(found.val_images_path)} for validation ({layout})")
-    return found
 
 
 def split_for_the_run(path: Path, seed: int, saved_split: dict[str, Any] | None) -> SplitData:

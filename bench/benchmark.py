@@ -59,8 +59,7 @@ from multi_train_utils.launch import cpu_share
 from multi_train_utils.optim import AMP_CHOICES, StepOptions, build_optimizer
 from multi_train_utils.spawn_utils import meeting_on_a_free_port
 from multi_train_utils.train_eval_utils import train_one_epoch
-from my_dataset import build_datasets
-from utils import ensure_demo_data, read_data
+from utils import build_datasets, ensure_demo_data, read_data
 
 PHOTOS_ROOT = REPO / "data" / "bench_photos"
 PHOTO_SIZE = (400, 300)  # about the size of the photographs in the tutorial's flower_photos

@@ -114,8 +114,7 @@ def worker_memory(tree: Path, batches: int, workers: int = 2) -> dict:
 
     from multi_train_utils.data import build_loaders
     from multi_train_utils.distributed_utils import single_process
-    from my_dataset import build_datasets
-    from utils import read_data
+    from utils import build_datasets, read_data
 
     ctx = single_process("cpu")
     train_set, val_set = build_datasets(read_data(str(tree), ctx), 32)

@@ -34,8 +34,7 @@ from multi_train_utils.distributed_utils import (
 from multi_train_utils.errors import UserInputError
 from multi_train_utils.optim import Hook, Hooks, StepEnd, StepOptions, build_optimizer, scaled_lr
 from multi_train_utils.train_eval_utils import train_one_epoch
-from my_dataset import batch_transform, build_datasets
-from utils import read_data
+from utils import build_datasets, read_data
 
 
 class Diverged(Exception):
@@ -76,8 +75,7 @@ def main(args: RunConfig, finder: argparse.Namespace) -> None:
     train_loader, _ = build_loaders(train_set, val_set, args.batch_size, ctx, args.workers, args.seed)
     model = build_model(args.model, data.num_classes, args.weights,
                         trains_on=(batchnorm_batch_size(args.batch_size, ctx, args.syncBN), args.image_size))
-    options = StepOptions.from_args(args, ctx.device, batch_transform(args.mixup_alpha, args.cutmix_alpha,
-                                                                      data.num_classes))
+    options = StepOptions.from_args(args, ctx.device, data.num_classes)
     model = wrap_ddp(model.to(ctx.device, memory_format=options.memory_format), ctx, args.syncBN, args.compile)
     # The lrs tried are those of one process's batch, as --lr takes them; the step's own is scaled as the scripts do.
     scale = scaled_lr(1.0, ctx.world_size, args.accum_steps)

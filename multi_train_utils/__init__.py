@@ -26,7 +26,7 @@ Each module has one concern, named for it:
                      early, in one line)
   PyTorch releases   versions (which releases are supported, and the calls that differ between them)
   optional features  imported only when their flag is on (features.attach): ema, periodic_checkpoints, freezing;
-                     and gpu_decode (my_dataset.build_datasets)
+                     and gpu_decode (utils.build_datasets)
 """
 
 import importlib

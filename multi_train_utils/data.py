@@ -162,24 +162,31 @@ def build_loaders(train_set: Dataset, val_set: Dataset, batch_size: int, ctx: Di
                   sampler: SamplerFactory = ResumableDistributedSampler) -> tuple[DataLoader, DataLoader]:
     """Training and validation loaders for this process's share of the data; `sampler` deals the training images
     (see the module's docstring for one of your own)."""
-    per_process = len(train_set) // ctx.world_size
-    if per_process < batch_size:
-        raise UserInputError(f"--batch-size {batch_size}: larger than the {per_process} training images "
-                             f"each of the {ctx.world_size} process(es) gets")
-    workers = default_workers(ctx) if workers is None else workers
-    common = dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
-                  persistent_workers=workers > 0, multiprocessing_context=loader_start_method(workers),
-                  worker_init_fn=leave_signals_to_the_trainer,
-                  # The loader's own seeds come from here, not from the random numbers the augmentations
-                  # draw: a run resumed inside an epoch then draws the same augmentations as an unbroken one.
-                  generator=torch.Generator().manual_seed(seed + ctx.rank))
+    common = loader_options(len(train_set), batch_size, ctx, workers, seed)
     # drop_last: a last batch of one image breaks BatchNorm, and equal batches keep ranks in step.
     train_loader = DataLoader(train_set, sampler=resumable(sampler(train_set, ctx.world_size, ctx.rank, seed)),
                               drop_last=True, collate_fn=getattr(train_set, "collate_fn", None), **common)
     val_loader = DataLoader(val_set, sampler=UnpaddedDistributedSampler(len(val_set), ctx.world_size, ctx.rank),
                             collate_fn=getattr(val_set, "collate_fn", None), **common)
-    print_main(f"Using {workers} data-loader workers per process")
     return train_loader, val_loader
+
+
+def loader_options(train_images: int, batch_size: int, ctx: DistContext, workers: int | None,
+                   seed: int) -> dict[str, Any]:
+    """What both loaders share: the batch (no larger than each process's share of the `train_images`), the worker
+    processes (default_workers unless --workers says), and the seed of the loader's own random numbers."""
+    per_process = train_images // ctx.world_size
+    if per_process < batch_size:
+        raise UserInputError(f"--batch-size {batch_size}: larger than the {per_process} training images "
+                             f"each of the {ctx.world_size} process(es) gets")
+    workers = default_workers(ctx) if workers is None else workers
+    print_main(f"Using {workers} data-loader workers per process")
+    return dict(batch_size=batch_size, num_workers=workers, pin_memory=ctx.device.type == "cuda",
+                persistent_workers=workers > 0, multiprocessing_context=loader_start_method(workers),
+                worker_init_fn=leave_signals_to_the_trainer,
+                # The loader's own seeds come from here, not from the random numbers the augmentations
+                # draw: a run resumed inside an epoch then draws the same augmentations as an unbroken one.
+                generator=torch.Generator().manual_seed(seed + ctx.rank))
 
 
 @contextmanager

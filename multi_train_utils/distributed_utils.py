@@ -83,19 +83,12 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def cleanup(failed: bool = False) -> None:
-    """Leave the process group, if there is one. Safe to call more than once.
-
-    After a failure, NCCL's group is aborted rather than destroyed: destroy_process_group() waits for the
-    collectives in flight, which the other ranks may never finish, and this rank would hang until
-    --dist-timeout instead of exiting, so the launcher would not notice and stop the others.
-    """
+    """Leave the process group, if there is one (safe to call more than once); after a failure, at once."""
     if not is_dist_avail_and_initialized():
         return
-    # The DDP wrapper, freed by the garbage collector whenever it runs, must not take the last reference to the
-    # group with it: gloo's group, destroyed from inside it, can wait for a thread that waits for the GIL.
-    gc.collect()
+    gc.collect()  # now: a DDP wrapper collected later would destroy gloo's group from inside it, waiting on the GIL
     if failed and dist.get_backend() == "nccl":
-        abort_process_group()
+        abort_process_group()  # destroying would wait, until --dist-timeout, for collectives failed ranks never end
     else:
         dist.destroy_process_group()
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .checkpoint import Checkpointer
-from .distributed_utils import any_rank, cpu_side_group, is_main_process
+from .distributed_utils import any_rank, cpu_side_group, is_main_process, print_main
 from .errors import REQUEUE_EXIT_CODE, STOP_SIGNALS, Preempted, listen_for_stop_signals, report, stop_now
 from .optim import Criterion, Hook, Hooks, StepEnd, StepOptions
 from .recorder import RunRecorder
@@ -38,9 +38,10 @@ def attach(run: RunRecorder, model: nn.Module, optimizer: torch.optim.Optimizer,
            scheduler: torch.optim.lr_scheduler.LRScheduler | None, options: StepOptions, criterion: Criterion,
            train_loader: DataLoader, val_loader: DataLoader, epochs: int, evaluate: Evaluate,
            hooks: Iterable[Hook] = ()) -> Checkpointer:
-    """The run's checkpoints, whose `hooks` are every hook of the run, in the order they act after a step (the
-    average first, for a checkpoint at that step to hold it; the run's files last). `evaluate`: the loop's, with
-    which a feature validates a model of its own (the average of --model-ema)."""
+    """The run's checkpoints, with the saved run loaded (from the epoch `start.epoch`), whose `hooks` are every hook
+    of the run, in the order they act after a step (the average first, for a checkpoint at that step to hold it;
+    the run's files last). `evaluate`: the loop's, with which a feature validates a model of its own (the average
+    of --model-ema)."""
     config, checkpoints = run.config, Checkpointer(model, optimizer, scheduler, options, run, train_loader)
     features: list[Hook] = []
     if config.model_ema:
@@ -55,6 +56,9 @@ def attach(run: RunRecorder, model: nn.Module, optimizer: torch.optim.Optimizer,
         from .freezing import FrozenBody  # --freeze-layers: only the classifier trains (until --unfreeze-epoch)
         features.append(FrozenBody(checkpoints.model, config.unfreeze_epoch))
     checkpoints.hooks = Hooks([checkpoints, *features, run, *hooks])
+    start_epoch = checkpoints.resume(run.saved) if run.saved.state else 0
+    if start_epoch >= epochs:
+        print_main(f"Nothing to train: {start_epoch} epoch(s) trained already; a larger --epochs than {epochs} goes on")
     return checkpoints
 
 

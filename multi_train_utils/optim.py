@@ -65,11 +65,15 @@ def build_optimizer(model: nn.Module, name: str = "sgd", lr: float = 0.001,
     """--opt over the trainable parameters, with --weight-decay (the optimizer's own default if None)."""
     optimizer_class, arguments, default_decay = OPTIMIZERS[name]
     groups = parameter_groups(model, default_decay if weight_decay is None else weight_decay)
-    # fused on CUDA, where the optimizer has it: one kernel for all parameters, and GradScaler then checks for
-    # overflow on the GPU instead of waiting for it on the host every step.
+    return optimizer_class(groups, lr=lr, **arguments, **fused_on_cuda(optimizer_class, groups))
+
+
+def fused_on_cuda(optimizer_class: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> dict[str, bool]:
+    """fused=True on CUDA, where the optimizer has it: one kernel for all parameters, and GradScaler then checks
+    for overflow on the GPU instead of waiting for it on the host every step."""
     if groups[0]["params"][0].is_cuda and "fused" in inspect.signature(optimizer_class).parameters:
-        arguments = {**arguments, "fused": True}
-    return optimizer_class(groups, lr=lr, **arguments)
+        return {"fused": True}
+    return {}
 
 
 def scaled_lr(lr: float, world_size: int = 1, accum_steps: int = 1) -> float:
@@ -100,9 +104,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str = "cosine", epoc
 
 
 def optimizer_steps_per_epoch(batches: int, accum_steps: int = 1) -> int:
-    """Optimizer steps in an epoch of `batches` batches: the last step may gather fewer than accum_steps."""
+    """Optimizer steps in an epoch of `batches` batches: the last step may gather fewer than accum_steps (but not
+    none of them: the lr is multiplied by accum_steps for batches that would never come)."""
     if accum_steps > batches:
-        # The lr is multiplied by accum_steps for batches that would never come.
         raise UserInputError(f"--accum-steps {accum_steps}: more than the {batches} batches each process trains on "
                              f"in an epoch; at most {batches}")
     return math.ceil(batches / accum_steps)
@@ -153,12 +157,12 @@ class StepOptions:
     batch_transform: BatchTransform = unchanged  # each training batch, on the device: MixUp, CutMix
 
     @classmethod
-    def from_args(cls, args: RunConfig, device: torch.device,
-                  batch_transform: BatchTransform | None = None) -> StepOptions:
+    def from_args(cls, args: RunConfig, device: torch.device, num_classes: int = 0) -> StepOptions:
+        """--amp, --channels-last, --accum-steps, --clip-grad-norm and, over `num_classes`, MixUp or CutMix."""
         dtype = None if args.amp == "off" else autocast_dtype(args.amp, device, args.comm_hook)
-        return cls(device.type, dtype, args.channels_last, args.accum_steps,
-                   torch.amp.GradScaler(device.type, enabled=dtype == torch.float16),
-                   clip_grad_norm=args.clip_grad_norm, batch_transform=batch_transform or unchanged)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        return cls(device.type, dtype, args.channels_last, args.accum_steps, scaler, clip_grad_norm=args.clip_grad_norm,
+                   batch_transform=mixing(args.mixup_alpha, args.cutmix_alpha, num_classes) or unchanged)
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -170,10 +174,29 @@ class StepOptions:
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
+    def clip_gradients(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """With --clip-grad-norm, clip the gradients' norm (the true gradients': unscaled first under fp16), and
+        return it as the step's grad_norm; without, nothing."""
+        if self.clip_grad_norm is None:
+            return {}
+        self.scaler.unscale_(optimizer)
+        return {"grad_norm": nn.utils.clip_grad_norm_(model.parameters(), self.clip_grad_norm)}
+
     def no_sync(self, model: nn.Module, last_micro_step: bool) -> contextlib.AbstractContextManager:
         """DDP's no_sync on the micro-steps whose gradients only accumulate: one all-reduce per optimizer step."""
         skip = not self.sync_gradients or not last_micro_step
         return model.no_sync() if skip and isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+
+
+def mixing(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> BatchTransform | None:
+    """--mixup-alpha, --cutmix-alpha: blends each training batch by MixUp or CutMix (or either); None without."""
+    if not (mixup_alpha or cutmix_alpha):
+        return None
+    from torchvision.transforms import v2  # only where a run blends its batches
+
+    mixup = v2.MixUp(alpha=mixup_alpha, num_classes=num_classes) if mixup_alpha else None
+    cutmix = v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes) if cutmix_alpha else None
+    return v2.RandomChoice([mixup, cutmix]) if mixup and cutmix else mixup or cutmix
 
 
 def autocast_dtype(amp: str, device: torch.device, comm_hook: str = "none") -> torch.dtype | None:

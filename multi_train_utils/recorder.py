@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TextIO
 
 try:
@@ -352,12 +351,15 @@ class RunRecorder(Hook):
         self.enabled, self.config, self.saved, self.split_data = ctx.is_main, config, saved or SavedRun(), split
         self.class_names: list[str] = split["class_names"] if isinstance(split, dict) else split.class_names
         self.output_dir = Path(config.output_dir)
-        self.weights_dir = self.output_dir / "weights"
-        self.checkpoint_path = self.output_dir / CHECKPOINT_NAME
+        self.weights_dir, self.checkpoint_path = self.output_dir / "weights", self.output_dir / CHECKPOINT_NAME
         self.writer: Any = None  # TensorBoard's, opened at the first figure
         self.first_batch: tuple[Any, torch.Tensor] | None = None
-        if not self.enabled:
-            return
+        if self.enabled:
+            self.start_folder()
+
+    def start_folder(self) -> None:
+        """Claim the folder (one run at a time), set aside what a rewound run wrote after the checkpoint it goes on
+        from, write the run's classes and split, and open metrics.jsonl."""
         try:
             self.lock = claim_folder(self.output_dir, fresh=self.saved.state is None)
             if self.saved.rewinds:
@@ -494,9 +496,9 @@ class RunRecorder(Hook):
     def __enter__(self) -> RunRecorder:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        with contextlib.suppress(UserInputError) if exc else contextlib.nullcontext():  # the first error says it
+    def __exit__(self, *exc_info: object) -> None:
+        # After an error, that error says what went wrong; one from closing would only hide it.
+        with contextlib.suppress(UserInputError) if exc_info[0] else contextlib.nullcontext():
             self.close()
 
 

@@ -53,13 +53,18 @@ def processes_to_start(world_size: int | None, device: str | None) -> int:
         return gpus if on_cuda else 2
     if on_cuda and world_size > gpus:
         raise UserInputError(f"--world-size {world_size}: only {gpus} GPU(s) visible (one process per GPU)")
+    if not on_cuda:
+        check_cpu_processes(world_size)
+    return world_size
+
+
+def check_cpu_processes(world_size: int) -> None:
+    """Each process holds a model, an optimizer and its batches: past a few per core they only fight for the cores
+    and the memory."""
     cpus = usable_cpus()
-    if not on_cuda and world_size > CPU_PROCESSES_PER_CORE * cpus:
-        # Each process holds a model, an optimizer and its batches: past a few per core they only fight
-        # for the cores and the memory.
+    if world_size > CPU_PROCESSES_PER_CORE * cpus:
         raise UserInputError(f"--world-size {world_size}: more processes than this machine's {cpus} CPU core(s) "
                              f"can run (at most {CPU_PROCESSES_PER_CORE * cpus})")
-    return world_size
 
 
 @contextlib.contextmanager
@@ -67,22 +72,29 @@ def meeting_on_a_free_port(dist_url: str = "env://") -> Iterator[None]:
     """Where the processes meet, for the length of the block. env://: a free port of 127.0.0.1, so that two jobs
     on one machine do not collide, unless MASTER_ADDR and MASTER_PORT are set (yours win); the next job this process
     starts picks a port of its own. tcp://HOST:PORT: HOST must be this machine's, as for MASTER_ADDR."""
+    chosen = {}
     if dist_url.startswith("tcp://"):
         url = urlparse(dist_url)  # its form checked by cli.check_meeting_address
         free_port_here(url.hostname or "", f"--dist-url {dist_url}", f"such as tcp://127.0.0.1:{url.port}")
-        yield
-        return
-    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": host}
-    if "MASTER_PORT" not in os.environ:  # (MASTER_PORT_CHOSEN_BY: for the message if it is taken meanwhile)
-        port = free_port_here(host, f"MASTER_ADDR {host}", "or unset MASTER_ADDR")
-        chosen.update(MASTER_PORT=str(port), MASTER_PORT_CHOSEN_BY="spawn")
+    else:
+        chosen = master_addr_and_port()
     os.environ.update(chosen)
     try:
         yield
     finally:
         for name in chosen:
             os.environ.pop(name, None)
+
+
+def master_addr_and_port() -> dict[str, str]:
+    """What env:// needs that is not set: MASTER_ADDR 127.0.0.1, and a free MASTER_PORT there (with
+    MASTER_PORT_CHOSEN_BY, for the message if it is taken meanwhile)."""
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    chosen = {} if "MASTER_ADDR" in os.environ else {"MASTER_ADDR": host}
+    if "MASTER_PORT" not in os.environ:
+        port = free_port_here(host, f"MASTER_ADDR {host}", "or unset MASTER_ADDR")
+        chosen.update(MASTER_PORT=str(port), MASTER_PORT_CHOSEN_BY="spawn")
+    return chosen
 
 
 def free_port_here(host: str, named: str, instead: str) -> int:

@@ -49,17 +49,15 @@ LOG_EVERY = 10  # batches between progress-bar updates; each update waits for th
 tqdm.set_lock(threading.RLock())
 
 
-def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer,
-                    data_loader: DataLoader, device: torch.device, epoch: int,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                    options: StepOptions | None = None, hooks: Hooks | None = None, max_steps: int | None = None
-                    ) -> float:
+def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                    device: torch.device, epoch: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                    options: StepOptions | None = None, hooks: Hooks | None = None,
+                    max_steps: int | None = None) -> float:
     """Train on this process's share of one epoch, or its first `max_steps` optimizer steps; return the mean loss
     over all processes' images. With accum_steps K, K batches of b images step as one batch of K*b."""
     options, hooks = options or StepOptions(device.type), hooks or Hooks()
     model.train()
-    state, bar = epoch_progress(data_loader, epoch, options, model, device)
-    last_step = None if max_steps is None else state.step + max_steps
+    state, bar, last_step = epoch_progress(data_loader, epoch, options, model, device, max_steps)
     optimizer.zero_grad(set_to_none=True)
     with bar:
         for i, (images, labels) in enumerate(bar):
@@ -74,10 +72,8 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
                     loss = criterion(model(images), labels)
                 options.scaler.scale(loss / group_size).backward()
             if last_of_group:
-                state.figures = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"]}
-                if options.clip_grad_norm is not None:  # on the true gradients: unscaled first under fp16
-                    options.scaler.unscale_(optimizer)
-                    state.figures["grad_norm"] = nn.utils.clip_grad_norm_(model.parameters(), options.clip_grad_norm)
+                state.figures = {"loss": loss.detach(), "lr": optimizer.param_groups[0]["lr"],
+                                 **options.clip_gradients(model, optimizer)}  # --clip-grad-norm
                 options.scaler.step(optimizer)  # with fp16, skipped if the gradients overflowed
                 options.scaler.update()
                 optimizer.zero_grad(set_to_none=True)
@@ -95,9 +91,10 @@ def train_one_epoch(model: nn.Module, criterion: Criterion, optimizer: torch.opt
 
 
 def epoch_progress(data_loader: DataLoader, epoch: int, options: StepOptions, model: nn.Module,
-                   device: torch.device) -> tuple[StepEnd, tqdm]:
+                   device: torch.device, max_steps: int | None = None) -> tuple[StepEnd, tqdm, int | None]:
     """Where the epoch stands (summed on the device and read every LOG_EVERY batches: reading them every batch would
-    stall the GPU), and its progress bar, which counts the batches a resumed epoch trained before too."""
+    stall the GPU), its progress bar, which counts the batches a resumed epoch trained before too, and the step
+    to stop after, `max_steps` on (None: the epoch's end)."""
     sampler, batch_size = getattr(data_loader, "sampler", None), getattr(data_loader, "batch_size", None) or 1
     done = getattr(sampler, "skipped", 0) // batch_size  # the batches the run it resumes trained already
     batches = getattr(sampler, "epoch_length", 0) // batch_size or done + len(data_loader)
@@ -105,7 +102,7 @@ def epoch_progress(data_loader: DataLoader, epoch: int, options: StepOptions, mo
                     torch.zeros((), device=device), torch.zeros((), device=device), model)
     bar = tqdm(data_loader, desc=f"[epoch {epoch}] train", file=sys.stdout, disable=not is_main_process(),
                dynamic_ncols=True, initial=done, total=batches)
-    return state, bar
+    return state, bar, None if max_steps is None else state.step + max_steps
 
 
 def accumulation_group(batch: int, batches: int, accum_steps: int) -> tuple[int, bool]:
@@ -202,18 +199,23 @@ def evaluate(model: nn.Module, criterion: Criterion, data_loader: DataLoader, de
 
 def evaluate_only(model: nn.Module, criterion: Criterion, val_loader: DataLoader, device: torch.device,
                   options: StepOptions, class_names: list[str]) -> EvalResult:
-    """--eval-only: validate the loaded weights once and print the figures as the last line of standard
-    output, one JSON object (rank 0 alone): the numbers of the epoch that saved the weights."""
+    """--eval-only: validate the loaded weights once and print their figures (print_figures)."""
     with workers_ended(val_loader):
         result = evaluate(model, criterion, val_loader, device, options, len(class_names))
+    print_figures(result, class_names)
+    return result
+
+
+def print_figures(result: EvalResult, class_names: list[str]) -> None:
+    """A validation's figures (the numbers of the epoch that saved the weights), every class's included, at any
+    number of classes, as the last line of standard output: one JSON object, on rank 0."""
     if not math.isfinite(result.loss):  # the same on every rank
         raise NonFiniteLossError(f"--eval-only: the validation loss of these weights is {result.loss}: they have "
                                  "diverged; validate an earlier epoch's weights/model-N.pth instead")
-    if is_main_process():  # every class's figures, at any number of classes (a line of metrics.jsonl: up to 100)
+    if is_main_process():
         figures = {**result.figures(), **class_figures(result.sums, class_names),
                    "per_class": per_class(result.sums, class_names)}
         print(json.dumps(figures, allow_nan=False), flush=True)
-    return result
 
 
 def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer, train_loader: DataLoader,
@@ -222,29 +224,22 @@ def fit(model: nn.Module, criterion: Criterion, optimizer: torch.optim.Optimizer
         run: RunRecorder | None = None, hooks: Iterable[Hook] = ()) -> EvalResult | None:
     """Train and validate up to `epochs`, print each epoch's figures, return the last validation result; with
     `run`, also continue its saved state, write what it keeps, and attach what its flags ask for (features.py)."""
-    options, start_epoch, checkpoints = options or StepOptions(device.type), 0, None
-    if run is not None:
-        checkpoints = attach(run, model, optimizer, scheduler, options, criterion, train_loader, val_loader, epochs,
-                             evaluate, hooks)
-        start_epoch = checkpoints.resume(run.saved) if run.saved.state else 0
-        hooks = checkpoints.hooks
-    if start_epoch >= epochs:
-        print_main(f"Nothing to train: {start_epoch} epoch(s) trained already; a larger --epochs than {epochs} goes on")
-    hooks, result = Hooks(hooks), None
+    options, result = options or StepOptions(device.type), None
+    checkpoints = attach(run, model, optimizer, scheduler, options, criterion, train_loader, val_loader, epochs,
+                         evaluate, hooks) if run else None
+    hooks, start_epoch = (checkpoints.hooks, checkpoints.start.epoch) if checkpoints else (Hooks(hooks), 0)
     with hooks.running(), workers_ended(train_loader, val_loader):
         for epoch in range(start_epoch, epochs):
             train_loader.sampler.set_epoch(epoch)  # a new shuffle every epoch: without it, each repeats the first
             hooks.call("on_epoch_start", epoch)
-            lr = optimizer.param_groups[0]["lr"]  # the lr of the epoch's first step
-            started = time.perf_counter()
+            lr, started = optimizer.param_groups[0]["lr"], time.perf_counter()  # the lr of the epoch's first step
             train_loss = train_one_epoch(model, criterion, optimizer, train_loader, device, epoch, scheduler,
                                          options, hooks)
             train_time = time.perf_counter() - started
             result = evaluate(model, criterion, val_loader, device, options, run and len(run.class_names))
-            images = len(train_loader) * train_loader.batch_size * get_world_size()
             metrics = {"epoch": epoch, "train_loss": train_loss, **result.figures(), "lr": lr,
-                       "images_per_s": images / train_time, "epoch_time_s": time.perf_counter() - started,
-                       "world_size": get_world_size()}
+                       "images_per_s": len(train_loader) * train_loader.batch_size * get_world_size() / train_time,
+                       "epoch_time_s": time.perf_counter() - started, "world_size": get_world_size()}
             hooks.call("on_validation_end", epoch, metrics)
             stop_if_not_finite(metrics)  # before anything of the epoch is written
             print_main(epoch_line(metrics))

@@ -299,7 +299,7 @@ def minimal_copy(folder: Path) -> Path:
     for module in removed:
         (copy / module).unlink()
     names = {module.stem for module in removed}
-    for path in (copy / "multi_train_utils" / "features.py", copy / "my_dataset.py"):
+    for path in (copy / "multi_train_utils" / "features.py", copy / "utils.py"):
         remove_blocks_importing(path, names)
     leftovers = [f"{path.relative_to(copy)}: {line.strip()}" for path in copy.rglob("*.py")
                  if not {"tests", "bench"} & set(path.relative_to(copy).parts)

@@ -22,7 +22,6 @@ from multi_train_utils.optim import IMAGENET_MEAN, IMAGENET_STD, StepOptions, no
 from multi_train_utils.pictures import batch_grid
 from my_dataset import (
     MyDataSet,
-    build_datasets,
     build_transforms,
     collate_fn,
     decode_reduction,
@@ -30,7 +29,7 @@ from my_dataset import (
     decode_transformed,
     load_rgb,
 )
-from utils import read_split_data
+from utils import build_datasets, read_split_data
 
 spec = importlib.util.spec_from_file_location("loader_benchmark", REPO / "bench" / "loader_benchmark.py")
 loader_benchmark = importlib.util.module_from_spec(spec)
