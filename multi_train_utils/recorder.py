@@ -164,8 +164,7 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def find_saved_run(resume_flag: str | None, output_dir: str | os.PathLike) -> SavedRun:
-    """The checkpoint to continue from, read by rank 0 and sent to every rank (before the data is read: a
-    resumed run keeps its classes and split)."""
+    """The checkpoint to continue from (--resume), read by rank 0 and sent to every rank."""
     return read_on_main(lambda: saved_checkpoint(resume_flag, Path(output_dir)))
 
 
@@ -336,7 +335,7 @@ def model_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return to_cpu(unwrap_model(model).state_dict())
 
 
-class RunRecorder(Hook):
+class RunRecorder(Hook, contextlib.AbstractContextManager["RunRecorder"]):
     """Writes class_indices.json, split.json, metrics.jsonl, weights/model-{epoch}.pth, weights/best.pth and
     TensorBoard's events: the figures of every epoch and, every STEP_LOG_EVERY optimizer steps, the step's own
     (loss, lr), all counted in optimizer steps, so that a resumed run goes on drawing where the checkpoint was.
@@ -493,12 +492,8 @@ class RunRecorder(Hook):
             self.metrics_file.close()
             self.lock.close()  # lets the next run into this folder start
 
-    def __enter__(self) -> RunRecorder:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        # After an error, that error says what went wrong; one from closing would only hide it.
-        with contextlib.suppress(UserInputError) if exc_info[0] else contextlib.nullcontext():
+    def __exit__(self, *raised: object) -> None:  # after an error, closing's own would only hide it
+        with contextlib.suppress(UserInputError) if raised[0] else contextlib.nullcontext():
             self.close()
 
 
