@@ -104,8 +104,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, name: str = "cosine", epoc
 
 
 def optimizer_steps_per_epoch(batches: int, accum_steps: int = 1) -> int:
-    """Optimizer steps in an epoch of `batches` batches: the last step may gather fewer than accum_steps (but not
-    none of them: the lr is multiplied by accum_steps for batches that would never come)."""
+    """Optimizer steps in an epoch of `batches` batches: the last step may gather fewer than accum_steps. More
+    accum_steps than batches are refused: the lr is multiplied by accum_steps for batches that would never come."""
     if accum_steps > batches:
         raise UserInputError(f"--accum-steps {accum_steps}: more than the {batches} batches each process trains on "
                              f"in an epoch; at most {batches}")
