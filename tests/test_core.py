@@ -5,6 +5,7 @@ script of your own."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import json
 import re
@@ -28,10 +29,17 @@ from multi_train_utils.cli import parse_args
 from multi_train_utils.distributed_utils import init_distributed_mode
 from multi_train_utils.train_eval_utils import train_one_epoch
 
+_spec = importlib.util.spec_from_file_location("lines_below_main", REPO / "bench" / "lines_below_main.py")
+lines_below_main = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lines_below_main)
+
 MAX_OWN_FRAMES = 4  # from the entry script's own function down to the one that calls optimizer.step()
 MAX_LOOP_LINES = 60
 LESSON_FILES = {"distributed_utils.py": 250, "train_eval_utils.py": 300}  # lines, at most
 SCREEN = 30  # lines
+# Issue 38: below main(), at most (lines, files); spawn's main also starts the processes
+BELOW_MAIN = {"train_single_gpu.py": (250, 8), "train_multi_gpu_using_launch.py": (250, 8),
+              "train_multi_gpu_using_spawn.py": (350, 10)}
 ENGINE = REPO / "multi_train_utils"
 APPLICATION = {path.stem for path in REPO.glob("*.py")}
 OPTIONAL_FEATURES = ["ema", "periodic_checkpoints", "freezing", "gpu_decode", "pictures"]
@@ -120,6 +128,35 @@ def test_the_lesson_is_two_short_files_that_show_it_in_their_first_screen() -> N
     assert any("dist.init_process_group(" in line for line in joining)
     loop = inspect.getsource(train_one_epoch).splitlines()[:SCREEN]
     assert any(".backward()" in line for line in loop) and any(".step(optimizer)" in line for line in loop)
+
+
+def test_one_level_below_main_is_short_and_in_few_files() -> None:
+    """What a reader follows below each script's main() (bench/lines_below_main.py): main, what it calls, fit and
+    train_one_epoch, in about as many lines and files as the anchors' whole training code."""
+    for script, (most_lines, most_files) in BELOW_MAIN.items():
+        counted = lines_below_main.below_main(REPO / script)
+        assert counted["lines"] <= most_lines and counted["files"] <= most_files, f"{script}: {counted}"
+
+
+def test_lines_below_main_counts_main_what_it_calls_and_the_loop(tmp_path: Path) -> None:
+    engine = tmp_path / "multi_train_utils"
+    engine.mkdir()
+    (engine / "train_eval_utils.py").write_text("def fit():\n    train_one_epoch()\n\n\n"
+                                                "def train_one_epoch():\n    pass\n")
+    (engine / "run.py").write_text("class Run:\n    def __init__(self):\n        pass\n\n"
+                                   "    def __enter__(self):\n        return self\n\n"
+                                   "    def unused(self):\n        pass\n\n\n"
+                                   "def helper(x):\n    # one line more\n    return x\n\n\n"
+                                   "def never_called():\n    pass\n")
+    script = tmp_path / "script.py"
+    script.write_text("from multi_train_utils.run import Run, helper\n"
+                      "from multi_train_utils.train_eval_utils import fit\n\n\n"
+                      "def main():\n    with Run():\n        train(helper(1))\n\n\n"
+                      "def train(x):\n    fit()\n")
+    counted = lines_below_main.below_main(script, tmp_path)
+    # main 3, train 2, Run.__init__ 2, Run.__enter__ 2, helper 3, fit 2, train_one_epoch 2
+    assert (counted["lines"], counted["files"]) == (16, 3), counted["functions"]
+    assert not any("unused" in name or "never_called" in name for name in counted["functions"])
 
 
 def test_the_loop_runs_with_no_hook_attached_and_the_loss_it_is_given() -> None:
