@@ -323,23 +323,6 @@ def read_data(data_path: str | None, ctx: DistContext, seed: int = 0, num_classe
     return found
 
 
-def split_summary(found: SplitData, path: Path) -> str:
-    layout = "its train/ and val/ folders" if found.layout == "folders" else "20 % of each class validates"
-    return (f"{path}: {found.num_classes} classes, {len(found.train_images_path)} images for training, "
-            f"{len(found.val_images_path)} for validation ({layout})")
-
-
-def build_datasets(split: SplitData, image_size: int, decode_on: str = "cpu", device: torch.device | None = None,
-                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
-    """The training and validation datasets of a split (SplitData), each with its transform."""
-    train_tf, val_tf = build_transforms(image_size)
-    train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
-    if decode_on == "gpu":  # the GPU decodes the training JPEGs, and applies the same transform there
-        from multi_train_utils.gpu_decode import decoded_on_the_gpu
-        train = decoded_on_the_gpu(train, device) or train
-    return train, MyDataSet(split.val_images_path, split.val_images_label, val_tf)
-
-
 def check_classes(found: SplitData, path: Path, num_classes: int | None) -> None:
     """At least 2 classes (--data-path at one class's folder would train a loss of 0), and --num_classes of them."""
     if found.num_classes < 2:
@@ -384,6 +367,23 @@ def bad_files_line(bad: list[str], root: str, shown: int = 3) -> str:
 DEMO_ROOT = Path(__file__).resolve().parent / "data" / "demo_patterns"
 DEMO_CACHE_ROOT = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "train-multi-gpu"
                    / "demo_patterns")
+
+
+def split_summary(found: SplitData, path: Path) -> str:
+    layout = "its train/ and val/ folders" if found.layout == "folders" else "20 % of each class validates"
+    return (f"{path}: {found.num_classes} classes, {len(found.train_images_path)} images for training, "
+            f"{len(found.val_images_path)} for validation ({layout})")
+
+
+def build_datasets(split: SplitData, image_size: int, decode_on: str = "cpu", device: torch.device | None = None,
+                   ) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """The training and validation datasets of a split (SplitData), each with its transform."""
+    train_tf, val_tf = build_transforms(image_size)
+    train = MyDataSet(split.train_images_path, split.train_images_label, train_tf)
+    if decode_on == "gpu":  # the GPU decodes the training JPEGs, and applies the same transform there
+        from multi_train_utils.gpu_decode import decoded_on_the_gpu
+        train = decoded_on_the_gpu(train, device) or train
+    return train, MyDataSet(split.val_images_path, split.val_images_label, val_tf)
 
 
 def demo_data_folder(ctx: DistContext) -> Path:

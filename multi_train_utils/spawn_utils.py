@@ -72,7 +72,7 @@ def meeting_on_a_free_port(dist_url: str = "env://") -> Iterator[None]:
     """Where the processes meet, for the length of the block. env://: a free port of 127.0.0.1, so that two jobs
     on one machine do not collide, unless MASTER_ADDR and MASTER_PORT are set (yours win); the next job this process
     starts picks a port of its own. tcp://HOST:PORT: HOST must be this machine's, as for MASTER_ADDR."""
-    chosen = {}
+    chosen: dict[str, str] = {}  # the variables set here, and unset when the block ends
     if dist_url.startswith("tcp://"):
         url = urlparse(dist_url)  # its form checked by cli.check_meeting_address
         free_port_here(url.hostname or "", f"--dist-url {dist_url}", f"such as tcp://127.0.0.1:{url.port}")
