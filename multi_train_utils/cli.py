@@ -23,7 +23,7 @@ from .config import RunConfig, bound_change, saved_values
 from .distributed_utils import COMM_HOOKS, DIST_TIMEOUT_S
 from .errors import UserInputError, hold_back_ctrl_c, listen_for_stop_signals, path_kind
 from .files import check_readable_file
-from .launch import Launch, detect_launch, stop_when_launcher_dies, usable_cpus
+from .launch import CHECK_COLLECTIVES_VARIABLE, Launch, detect_launch, stop_when_launcher_dies, usable_cpus
 from .optim import AMP_CHOICES, OPTIMIZERS, SCHEDULES
 from .recorder import trained_flags
 from .shutdown import end_run
@@ -268,6 +268,9 @@ MULTI_PROCESS_FLAGS = {
     "--dist-timeout": dict(type=partial(positive_float, at_most=1e6, least=1.0), default=DIST_TIMEOUT_S,
                            help="seconds a collective may wait for the other processes before the job fails (at "
                            "least 1: the processes need that to meet)"),
+    "--check-collectives": dict(**BOOLEAN, default=False, help="check at each collective that every process calls "
+                                "the same one, and stop at the first that differs, naming each process's call "
+                                "(PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL: slower; for finding a hang; true/false)"),
 }
 SPAWN_FLAGS = {"--world-size": dict(type=at_least(1), default=None, help="number of processes to start (default: "
                                     "one per visible GPU, or 2 on CPU)")}
@@ -375,6 +378,8 @@ def run_cli(main: Callable[[RunConfig], None], launcher: Launcher,
         ending.config = args  # the stop line names the run's last checkpoint
         refuse_the_wrong_launcher(launcher, launch)
         check_before_start(args)
+        if args.check_collectives:  # read by PyTorch where the processes meet (launch.record_collectives)
+            os.environ[CHECK_COLLECTIVES_VARIABLE] = "DETAIL"
         main(args)
 
 

@@ -69,6 +69,7 @@ class RunConfig:
     comm_hook: str
     dist_url: str
     dist_timeout: float
+    check_collectives: bool
     world_size: int | None
     local_rank: int | None
 
@@ -126,6 +127,7 @@ ON_RESUME: dict[str, tuple[str, str]] = {
                    "(the rest of the epoch is dealt among them, and the lr follows)"),
     "dist_url": (THIS_COMMAND, "where this command's processes meet"),
     "dist_timeout": (THIS_COMMAND, "how long this command's processes wait for each other"),
+    "check_collectives": (THIS_COMMAND, "how this command checks its processes' collectives"),
     "local_rank": (THIS_COMMAND, "set by the legacy launcher; LOCAL_RANK says the same"),
 }
 OWN_FLAG = (APPLIED, "a flag of your own: applied, and said")

@@ -5,12 +5,17 @@ sequence number in the process group, and the Python stack that called it. It is
 meet (launch.record_collectives) and read only after a collective has failed: the record is then written into the
 run folder (one file per rank, which `torchfrtrace` reads) and its last entry becomes the sentence a learner reads,
 e.g. "waits in all_reduce #57, called from evaluate (multi_train_utils/train_eval_utils.py:190)".
+
+With --check-collectives, PyTorch also checks at each collective that every rank calls the same one, and stops
+every rank at the first that differs: the sentence then comes from that check ("is at barrier #80, called from ...").
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import re
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,9 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # The helpers that only hand a collective to PyTorch: the line that matters is the one that called them.
 HELPERS = (os.path.join(REPO_DIR, "multi_train_utils", "distributed_utils.py"),)
+# How PyTorch's check of every collective names each rank's call where they differ (the first names the rank's own).
+FINGERPRINT = re.compile(r"Rank (\d+) is running collective: "
+                         r"CollectiveFingerPrint\(SequenceNumber=(\d+),? ?OpType=(\w+)")
 
 
 def recorded() -> dict[str, Any] | None:
@@ -33,26 +41,42 @@ def recorded() -> dict[str, Any] | None:
     return pickle.loads(dump) if dump is not None else None
 
 
-def where_this_rank_waits(run_dir: Path | None, rank: int) -> str:
+def where_this_rank_waits(err: BaseException, run_dir: Path | None, rank: int) -> str:
     """Write this rank's record into `run_dir`'s flight-recorder folder (when there is one) and say where the
-    rank waits: the collective it called last, its sequence number and the line that called it; or why that
-    cannot be said."""
+    rank waits (after `err`, its collective's failure): the collective it called last, its sequence number and the
+    line that called it; or why that cannot be said."""
+    checked = checked_call(err, rank)
     size = flight_recorder_size_variable()
-    if os.environ.get(size, "").strip() == "0":  # a user's own choice: launch.record_collectives keeps it
+    if checked is None and os.environ.get(size, "").strip() == "0":  # a user's choice: record_collectives keeps it
         return f"waits in a collective that nothing recorded: the flight recorder is off here ({size}=0)"
     record = recorded()
-    if not record or not record.get("entries"):
-        return (f"waits in a collective this PyTorch ({torch.__version__}) does not record for "
-                f"{dist.get_backend() if dist.is_initialized() else 'this'} (its flight recorder records gloo's "
-                "collectives in newer releases)")
-    if run_dir is not None:
+    if run_dir is not None and record and record.get("entries"):
         folder = Path(run_dir) / FOLDER
         try:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"{FILE_PREFIX}{rank}").write_bytes(pickle.dumps(with_groups_named(record)))
         except OSError:
             pass  # the run folder is gone or full: the sentence below still says where the rank waits
+    if checked is not None:
+        return checked
+    if not record or not record.get("entries"):
+        return (f"waits in a collective this PyTorch ({torch.__version__}) does not record for "
+                f"{dist.get_backend() if dist.is_initialized() else 'this'} (its flight recorder records gloo's "
+                "collectives in newer releases)")
     return waits_in(record["entries"][-1])
+
+
+def checked_call(err: BaseException, rank: int) -> str | None:
+    """Where PyTorch's check of every collective (--check-collectives) stopped this rank, with `err`: at a
+    collective that another rank does not call alike; said from the check's message and `err`'s traceback. None
+    for any other error."""
+    fingerprint = next((found for found in FINGERPRINT.finditer(str(err)) if int(found.group(1)) == rank), None)
+    if fingerprint is None:
+        return None
+    kind = re.sub(r"^ALL(?!_)", "ALL_", fingerprint.group(3)).lower()  # ALLREDUCE: all_reduce, as PyTorch names it
+    frames = [{"filename": frame.filename, "name": frame.name, "line": frame.lineno}
+              for frame in reversed(traceback.extract_tb(err.__traceback__))]  # the innermost first, as recorded
+    return f"is at {collective_called(kind, fingerprint.group(2), frames)}"
 
 
 def with_groups_named(record: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +93,12 @@ def waits_in(entry: dict[str, Any]) -> str:
     """The sentence for one recorded collective: its kind and number, what in PyTorch ran it, and who called it."""
     kind = entry.get("profiling_name", "a collective").split(":")[-1]
     number = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
-    frames = entry.get("frames") or []
+    return f"waits in {collective_called(kind, number, entry.get('frames') or [])}"
+
+
+def collective_called(kind: str, number: object, frames: list[dict[str, Any]]) -> str:
+    """"all_reduce #215 (DDP ...), called from evaluate (file:line)": the collective, what in PyTorch ran it, and
+    the line outside PyTorch and the lesson's collective helpers that called it, from `frames` (innermost first)."""
     names = {frame.get("name") for frame in frames if frame.get("filename", "").startswith(TORCH_DIR)}
     through = (" (DDP averaging the gradients, in backward())" if "_engine_run_backward" in names else
                " (DDP's forward)" if "_pre_forward" in names else "")
@@ -80,7 +109,7 @@ def waits_in(entry: dict[str, Any]) -> str:
         where = caller["filename"]
         where = where[len(REPO_DIR):] if where.startswith(REPO_DIR) else where
         called = f", called from {caller.get('name')} ({where}:{caller.get('line')})"
-    return f"waits in {kind} #{number}{through}{called}"
+    return f"{kind} #{number}{through}{called}"
 
 
 def how_to_read(run_dir: Path | None) -> str:

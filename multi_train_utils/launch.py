@@ -40,6 +40,7 @@ KILL_AFTER_S = 20.0  # if a SIGTERM cannot end this process (stuck inside a GPU 
 # Collectives each process's flight recorder keeps: the last few steps', all a hang needs; each entry is a few
 # hundred bytes, and recorded whatever the size, so a larger buffer would only hold older history.
 FLIGHT_RECORDER_ENTRIES = 200
+CHECK_COLLECTIVES_VARIABLE = "TORCH_DISTRIBUTED_DEBUG"  # DETAIL: --check-collectives
 
 
 @dataclass(frozen=True)
@@ -248,8 +249,11 @@ def process_device(launch: Launch, requested: str | None) -> torch.device:
 def record_collectives() -> None:
     """Switch on PyTorch's flight recorder for the process groups made from now on: every collective, its number
     and the stack that called it, which flight_recorder.py reads once a collective has failed. A user's own size
-    is kept. Older releases record NCCL's collectives only."""
+    is kept. Older releases record NCCL's collectives only. Where --check-collectives (or its user) asks PyTorch
+    to check every collective, PyTorch reads that now: it read its variables when torch was imported, before."""
     os.environ.setdefault(flight_recorder_size_variable(), str(FLIGHT_RECORDER_ENTRIES))
+    if os.environ.get(CHECK_COLLECTIVES_VARIABLE):
+        dist.set_debug_level_from_env()
 
 
 @contextlib.contextmanager

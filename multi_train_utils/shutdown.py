@@ -233,7 +233,8 @@ class LostPeerError(WhereRanksWait):
 LOST_PEER = re.compile(r"reset by peer|closed by peer|broken pipe|remote process exited|ncclRemoteError",
                        re.IGNORECASE)
 PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
-TIMED_OUT, LOST = "timed out", "lost a peer"
+TIMED_OUT, LOST, MISMATCHED = "timed out", "lost a peer", "mismatched"
+CHECKED_MISMATCH = "Detected mismatch between collectives"  # PyTorch's check of each collective (--check-collectives)
 
 
 def collective_failure(err: BaseException, rank: int, run_dir: Path | None = None) -> BaseException | None:
@@ -243,15 +244,23 @@ def collective_failure(err: BaseException, rank: int, run_dir: Path | None = Non
     if not isinstance(err, RuntimeError):
         return None
     message = str(err)
-    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited.
-    timed_out = re.search(r"timed out|timeout", message, re.IGNORECASE) is not None
-    if not (timed_out or LOST_PEER.search(message)):
+    mismatched = CHECKED_MISMATCH in message
+    # gloo says "Timed out waiting ..." or "Application timeout caused pair closure", by where it waited; the
+    # collectives' check, that a rank failed to pass its barrier.
+    timed_out = re.search(r"timed out|timeout|failed to pass monitoredBarrier", message, re.IGNORECASE) is not None
+    if not (mismatched or timed_out or LOST_PEER.search(message)):
         return None
     if not has_default_store():
         # a PyTorch that does not lend the store: who stopped answering cannot be asked
-        return None if timed_out else lost_peer(rank, message, [], {})
-    waits = where_this_rank_waits(run_dir, rank)
-    stopped = stopped_ranks(rank, TIMED_OUT if timed_out else LOST, waits)
+        return None if timed_out or mismatched else lost_peer(rank, message, [], {})
+    waits = where_this_rank_waits(err, run_dir, rank)
+    stopped = stopped_ranks(rank, MISMATCHED if mismatched else TIMED_OUT if timed_out else LOST, waits)
+    if mismatched:
+        return StalledRankError("--check-collectives stopped the processes at the first collective they do not all "
+                                "call alike: every process must call the same collectives in the same order, with "
+                                "tensors of the same shapes (docs/failures.md)",
+                                {other: waits for other, (_, waits) in (stopped or {}).items()} or {rank: waits},
+                                how_to_read(run_dir))
     if stopped is None:
         if not timed_out:
             return lost_peer(rank, message, None, {rank: waits}, how_to_read(run_dir))

@@ -25,6 +25,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .errors import report
@@ -140,6 +141,29 @@ def flight_recorder_size_variable() -> str:
 
     renamed = hasattr(torch._C._distributed_c10d, "_dump_fr_trace")
     return "TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+
+
+@contextlib.contextmanager
+def ddp_that_checks_collectives() -> Iterator[None]:
+    """Around DistributedDataParallel's constructor. Where PyTorch checks every collective (TORCH_DISTRIBUTED_DEBUG
+    =DETAIL, --check-collectives) on gloo, the constructor's usage log reads gloo's thread count from the checking
+    wrapper as if it were gloo's own group, and the process dies of a segmentation fault (torch 2.6 to 2.14.1 at
+    least). There, DDP's logger skips that log, which only PyTorch's own usage statistics read."""
+    import torch.distributed as dist
+
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL or dist.get_backend() != "gloo":
+        yield
+        return
+
+    class LoggerWithoutUsageLog(dist.Logger):  # type: ignore[misc]
+        def set_construction_data_and_log(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    ddp_logger, dist.Logger = dist.Logger, LoggerWithoutUsageLog  # DDP's constructor makes it as dist.Logger
+    try:
+        yield
+    finally:
+        dist.Logger = ddp_logger
 
 
 def cpu_has_bf16() -> bool:

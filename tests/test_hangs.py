@@ -92,6 +92,27 @@ def test_ranks_that_disagree_are_named_with_the_line_each_waits_in(data: Path, t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["spawn", pytest.param("torchrun", marks=pytest.mark.every_launcher)])
+@pytest.mark.parametrize("mistake", [
+    "a barrier in a save only rank 0 runs",
+    pytest.param("a metric reduced on rank 0 only", marks=pytest.mark.every_launcher)])
+def test_checked_collectives_stop_every_rank_at_the_first_that_differs(data: Path, tmp_path: Path, launcher: str,
+                                                                       mistake: str) -> None:
+    """--check-collectives: the job ends at the first collective the ranks do not call alike, long before its
+    --dist-timeout, with the line of each rank's call (a collective of another size, too: no gloo abort)."""
+    copy, line = copy_with_mistake(tmp_path / "repo", mistake)
+    file, _, _, function, collective = MISTAKES[mistake]
+    result = train_in(copy, launcher, data, tmp_path / "run", "--check-collectives", "--dist-timeout", "900")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and "--check-collectives stopped the processes" in errors[0], result.stderr[-3000:]
+    calls = dict(re.findall(r"^  rank (\d) is at (.*)$", result.stderr, flags=re.MULTILINE))
+    assert set(calls) == {"0", "1"}, result.stderr[-3000:]
+    assert re.fullmatch(rf"{collective} #\d+, called from {function} \({file}:{line}\)", calls["0"]), (calls, line)
+    assert re.match(r"\w+ #\d+", calls["1"]) and "called from" in calls["1"] and calls["1"] != calls["0"], calls
+    assert "SIGABRT" not in result.stderr
+
+
+@pytest.mark.slow
 @pytest.mark.every_launcher
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_a_collective_of_another_size_aborts_its_rank_and_the_others_say_where_they_wait(
@@ -113,11 +134,11 @@ def test_a_collective_of_another_size_aborts_its_rank_and_the_others_say_where_t
         assert "SIGABRT" in result.stderr
 
 
-def train_in(copy: Path, launcher: str, data: Path, out: Path) -> subprocess.CompletedProcess:
+def train_in(copy: Path, launcher: str, data: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
     """Two epochs of a two-process job in `copy`, which fails: soon after --dist-timeout, not at the test's."""
     started = time.monotonic()
     result = run([*job(copy, launcher), "--data-path", str(data), "--output-dir", str(out),
-                  *TINY_FLAGS, "--epochs", "2", "--dist-timeout", str(DIST_TIMEOUT_S)], cwd=copy, timeout=240)
+                  *TINY_FLAGS, "--epochs", "2", "--dist-timeout", str(DIST_TIMEOUT_S), *flags], cwd=copy, timeout=240)
     assert result.returncode != 0, result.stderr[-3000:]
     # the start, one epoch, the time-out, and the end, on a loaded machine: within --dist-timeout + 30 s of the hang
     assert time.monotonic() - started < 150, result.stderr[-3000:]
@@ -189,7 +210,25 @@ def test_a_recorder_switched_off_by_its_user_is_said_so(monkeypatch: pytest.Monk
     """TORCH_FR_BUFFER_SIZE=0 (a user's choice, which launch.record_collectives keeps): the rank's line says that
     nothing was recorded because the recorder is off, not that this PyTorch cannot record, and nothing is written."""
     monkeypatch.setenv(versions.flight_recorder_size_variable(), "0")
-    said = flight_recorder.where_this_rank_waits(tmp_path, 0)
+    said = flight_recorder.where_this_rank_waits(RuntimeError("timed out"), tmp_path, 0)
     assert said == (f"waits in a collective that nothing recorded: the flight recorder is off here "
                     f"({versions.flight_recorder_size_variable()}=0)")
     assert not (tmp_path / flight_recorder.FOLDER).exists()
+
+
+CHECKED = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
+           "SequenceNumber=12OpType=BARRIER), but Rank 1 is running collective: CollectiveFingerPrint("
+           "SequenceNumber=12, OpType=ALLREDUCE, TensorShape=[2], TensorDtypes=Float)")
+
+
+def save_on_rank_0() -> None:
+    raise RuntimeError(CHECKED)  # where PyTorch's check stops a rank (rank 1's message names rank 1 first)
+
+
+@pytest.mark.parametrize(("rank", "said"), [(0, "is at barrier #12"), (1, "is at all_reduce #12"), (2, None)])
+def test_a_checked_mismatch_is_said_from_its_message_and_the_ranks_own_traceback(rank: int, said: str | None) -> None:
+    with pytest.raises(RuntimeError) as caught:
+        save_on_rank_0()
+    line = save_on_rank_0.__code__.co_firstlineno + 1
+    called = f"{said}, called from save_on_rank_0 (tests/test_hangs.py:{line})" if said else None
+    assert flight_recorder.checked_call(caught.value, rank) == called
