@@ -77,18 +77,14 @@ def job(copy: Path, launcher: str) -> list[str]:
 def test_ranks_that_disagree_are_named_with_the_line_each_waits_in(data: Path, tmp_path: Path, launcher: str,
                                                                    mistake: str) -> None:
     """Both ranks wait, each in a collective the other never calls, until --dist-timeout: a line for each."""
-    copy, line = copy_with_mistake(tmp_path / "repo", mistake)
-    file, _, _, function, collective = MISTAKES[mistake]
     out = tmp_path / "run"
-    result = train_in(copy, launcher, data, out)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "collectives that do not match" in errors[0], result.stderr[-3000:]
+    result, called_at = train_with_mistake(tmp_path, mistake, launcher, data, out)
+    assert "collectives that do not match" in the_error(result), result.stderr[-3000:]
     waits = where_ranks_wait(result)
     assert set(waits) == {0, 1}, result.stderr[-3000:]
-    assert re.match(rf"waits in {collective} #\d+", waits[0]), waits
-    assert waits[0].endswith(f"called from {function} ({file}:{line})"), (waits, line)
+    assert re.fullmatch(rf"waits in {called_at}", waits[0]), waits
     assert "called from" in waits[1] and waits[1] != waits[0], waits
-    records_are_read_by_torchfrtrace(result, out, collective)
+    records_are_read_by_torchfrtrace(result, out, MISTAKES[mistake][-1])
 
 
 @pytest.mark.slow
@@ -100,14 +96,12 @@ def test_checked_collectives_stop_every_rank_at_the_first_that_differs(data: Pat
                                                                        mistake: str) -> None:
     """--check-collectives: the job ends at the first collective the ranks do not call alike, long before its
     --dist-timeout, with the line of each rank's call (a collective of another size, too: no gloo abort)."""
-    copy, line = copy_with_mistake(tmp_path / "repo", mistake)
-    file, _, _, function, collective = MISTAKES[mistake]
-    result = train_in(copy, launcher, data, tmp_path / "run", "--check-collectives", "--dist-timeout", "900")
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "--check-collectives stopped the processes" in errors[0], result.stderr[-3000:]
+    result, called_at = train_with_mistake(tmp_path, mistake, launcher, data, tmp_path / "run",
+                                           "--check-collectives", "--dist-timeout", "900")
+    assert "--check-collectives stopped the processes" in the_error(result), result.stderr[-3000:]
     calls = dict(re.findall(r"^  rank (\d) is at (.*)$", result.stderr, flags=re.MULTILINE))
     assert set(calls) == {"0", "1"}, result.stderr[-3000:]
-    assert re.fullmatch(rf"{collective} #\d+, called from {function} \({file}:{line}\)", calls["0"]), (calls, line)
+    assert re.fullmatch(called_at, calls["0"]), calls
     assert re.match(r"\w+ #\d+", calls["1"]) and "called from" in calls["1"] and calls["1"] != calls["0"], calls
     assert "SIGABRT" not in result.stderr
 
@@ -120,18 +114,31 @@ def test_a_collective_of_another_size_aborts_its_rank_and_the_others_say_where_t
     """Where the unmatched collectives carry data of different sizes, gloo aborts the process that receives the
     other's (SIGABRT, from its own thread: no record can be written there). Its end is named, and each rank
     left says where it waited."""
-    copy, _ = copy_with_mistake(tmp_path / "repo", "a metric reduced on rank 0 only")
-    out = tmp_path / "run"
-    result = train_in(copy, launcher, data, out)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
-    assert len(errors) == 1, result.stderr[-3000:]
+    result, _ = train_with_mistake(tmp_path, "a metric reduced on rank 0 only", launcher, data, tmp_path / "run")
+    error = the_error(result)
     if launcher == "spawn":  # the script names the aborted process; the survivor is stopped
         assert "was killed by SIGABRT (a C++ abort: gloo's, above, when the ranks call collectives that do not " \
-               "match)" in errors[0], result.stderr[-3000:]
+               "match)" in error, result.stderr[-3000:]
     else:  # torchrun names it in its report; the survivor says what it saw, and where it waited
-        assert "lost its connection to rank(s)" in errors[0] and "aborted by gloo" in errors[0], result.stderr[-3000:]
+        assert "lost its connection to rank(s)" in error and "aborted by gloo" in error, result.stderr[-3000:]
         assert list(where_ranks_wait(result)) == [1], result.stderr[-3000:]
         assert "SIGABRT" in result.stderr
+
+
+def train_with_mistake(tmp_path: Path, mistake: str, launcher: str, data: Path, out: Path,
+                       *flags: str) -> tuple[subprocess.CompletedProcess, str]:
+    """The failed job of a copy with `mistake` made in it, and a pattern of how rank 0's collective is to be named:
+    its kind and number, DDP's part where it has one, and the function, file and line of the mistake."""
+    copy, line = copy_with_mistake(tmp_path / "repo", mistake)
+    file, _, _, function, collective = MISTAKES[mistake]
+    called_at = rf"{collective} #\d+( \(DDP.*\))?, called from {function} \({file}:{line}\)"
+    return train_in(copy, launcher, data, out, *flags), called_at
+
+
+def the_error(result: subprocess.CompletedProcess) -> str:
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
 
 
 def train_in(copy: Path, launcher: str, data: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
