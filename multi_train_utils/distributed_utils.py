@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .errors import UserInputError, report
 from .launch import Launch, detect_launch, meeting, process_device
-from .versions import abort_process_group, ddp_that_checks_collectives
+from .versions import abort_process_group
 
 COMM_HOOKS = ("none", "bf16", "fp16")
 DIST_TIMEOUT_S = 900.0  # how long a collective waits for the other processes: --dist-timeout's default
@@ -194,9 +194,8 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, sync_bn: bool = False, compile_
     if not ctx.distributed:
         return model
     # gradient_as_bucket_view: the gradients live in DDP's all-reduce buffers, one copy of them instead of two
-    with ddp_that_checks_collectives():  # where --check-collectives is on gloo: a PyTorch crash to step around
-        ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                                      **{"gradient_as_bucket_view": True, **ddp_options})
+    ddp = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                  **{"gradient_as_bucket_view": True, **ddp_options})
     if comm_hook != "none":  # half the bytes each all-reduce sends; the averaged gradient is rounded to 16 bits once
         ddp.register_comm_hook(dist.group.WORLD, getattr(default_hooks, f"{comm_hook}_compress_hook"))
     return ddp

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .errors import GroupNotFormedError, UserInputError, _Ending, signals_end_the_wait
 from .meeting import choose_gloo_interface, meeting_failure
-from .versions import flight_recorder_size_variable
+from .versions import ddp_constructible_under_checks, flight_recorder_size_variable
 
 # SLURM gives no port; every job on a node needs its own, so derive one from the job id.
 SLURM_PORT_BASE = 20000
@@ -246,7 +246,7 @@ def process_device(launch: Launch, requested: str | None) -> torch.device:
     return device
 
 
-def record_collectives() -> None:
+def record_collectives(backend: str) -> None:
     """Switch on PyTorch's flight recorder for the process groups made from now on: every collective, its number
     and the stack that called it, which flight_recorder.py reads once a collective has failed. A user's own size
     is kept. Older releases record NCCL's collectives only. Where --check-collectives (or its user) asks PyTorch
@@ -254,6 +254,7 @@ def record_collectives() -> None:
     os.environ.setdefault(flight_recorder_size_variable(), str(FLIGHT_RECORDER_ENTRIES))
     if os.environ.get(CHECK_COLLECTIVES_VARIABLE):
         dist.set_debug_level_from_env()
+        ddp_constructible_under_checks(backend)
 
 
 @contextlib.contextmanager
@@ -262,7 +263,7 @@ def meeting(launch: Launch, backend: str, dist_url: str, timeout_s: float) -> It
     the new attempt's own; across machines, gloo's network interface); Ctrl-C and the stop signals end the wait at
     once; a failure to meet ends in one line (meeting.py). The group records its collectives.
     Yields the store to meet in, or None: dist_url's."""
-    record_collectives()
+    record_collectives(backend)
     if launch.source == "slurm":
         os.environ.update(srun_meeting_point(os.environ))
     if not tcp_store_uses_libuv():

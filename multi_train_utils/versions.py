@@ -25,7 +25,6 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from .errors import report
@@ -143,27 +142,21 @@ def flight_recorder_size_variable() -> str:
     return "TORCH_FR_BUFFER_SIZE" if renamed else "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
-@contextlib.contextmanager
-def ddp_that_checks_collectives() -> Iterator[None]:
-    """Around DistributedDataParallel's constructor. Where PyTorch checks every collective (TORCH_DISTRIBUTED_DEBUG
-    =DETAIL, --check-collectives) on gloo, the constructor's usage log reads gloo's thread count from the checking
-    wrapper as if it were gloo's own group, and the process dies of a segmentation fault (torch 2.6 to 2.14.1 at
-    least). There, DDP's logger skips that log, which only PyTorch's own usage statistics read."""
+def ddp_constructible_under_checks(backend: str) -> None:
+    """Where PyTorch checks every collective (TORCH_DISTRIBUTED_DEBUG=DETAIL, --check-collectives) on gloo, DDP's
+    constructor would die of a segmentation fault (torch 2.6 to 2.14.1 at least): its usage log reads gloo's thread
+    count from the checking wrapper as if it were gloo's own group. In this process, DDP's logger then skips that
+    log, which only PyTorch's own usage statistics read."""
     import torch.distributed as dist
 
-    if dist.get_debug_level() != dist.DebugLevel.DETAIL or dist.get_backend() != "gloo":
-        yield
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL or backend != "gloo":
         return
 
     class LoggerWithoutUsageLog(dist.Logger):  # type: ignore[misc]
         def set_construction_data_and_log(self, *args: object, **kwargs: object) -> None:
             pass
 
-    ddp_logger, dist.Logger = dist.Logger, LoggerWithoutUsageLog  # DDP's constructor makes it as dist.Logger
-    try:
-        yield
-    finally:
-        dist.Logger = ddp_logger
+    dist.Logger = LoggerWithoutUsageLog  # DDP's constructor makes its logger as dist.Logger
 
 
 def cpu_has_bf16() -> bool:

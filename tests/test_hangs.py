@@ -206,10 +206,10 @@ def test_the_recorder_is_switched_on_before_the_processes_meet_and_a_users_size_
     name = versions.flight_recorder_size_variable()
     for any_name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
         monkeypatch.delenv(any_name, raising=False)
-    launch.record_collectives()
+    launch.record_collectives("gloo")
     assert os.environ[name] == str(launch.FLIGHT_RECORDER_ENTRIES)
     monkeypatch.setenv(name, "5000")
-    launch.record_collectives()
+    launch.record_collectives("gloo")
     assert os.environ[name] == "5000"
 
 

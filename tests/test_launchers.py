@@ -48,7 +48,7 @@ def test_plain_python_runs_the_launch_script_as_one_process(odd_folder: Path, tm
 
 def test_torchrun_two_processes(odd_folder: Path, tmp_path: Path) -> None:
     # --check-collectives: PyTorch checks that the ranks call the same collectives, on ranks whose shares of the
-    # validation images differ; with gloo it made DDP's constructor crash (versions.ddp_that_checks_collectives)
+    # validation images differ; with gloo it made DDP's constructor crash (versions.ddp_constructible_under_checks)
     cmd = [*torchrun(), "--standalone", "--nproc_per_node=2", LAUNCH, *flags(odd_folder, tmp_path), "--syncBN",
            "--check-collectives"]
     result = run(cmd)

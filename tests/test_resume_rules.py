@@ -55,9 +55,11 @@ CHANGED = {
     "eval_only": (False, "true", True), "syncBN": (False, "true", True), "bucket_cap_mb": (25.0, "50", 50.0),
     "comm_hook": ("none", "bf16", "bf16"), "dist_url": ("env://", "tcp://127.0.0.1:29500", "tcp://127.0.0.1:29500"),
     "dist_timeout": (900.0, "60", 60.0), "world_size": (2, "3", 3), "local_rank": (None, "1", 1),
+    "check_collectives": (False, "true", True),
 }
 LAUNCHER = {"world_size": "spawn", "local_rank": "launch", "syncBN": "launch", "bucket_cap_mb": "launch",
-            "comm_hook": "launch", "dist_url": "launch", "dist_timeout": "launch"}
+            "comm_hook": "launch", "dist_url": "launch", "dist_timeout": "launch",
+            "check_collectives": "launch"}
 SAVED_WITH = {"unfreeze_epoch": {"freeze_layers": True}}  # what the saved run needs for the value to be valid
 
 
