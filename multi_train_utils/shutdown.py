@@ -255,11 +255,11 @@ def collective_failure(err: BaseException, rank: int, run_dir: Path | None = Non
         return None if timed_out or mismatched else lost_peer(rank, message, [], {})
     waits = where_this_rank_waits(err, run_dir, rank)
     stopped = stopped_ranks(rank, MISMATCHED if mismatched else TIMED_OUT if timed_out else LOST, waits)
+    where = {other: noted for other, (_, noted) in (stopped or {}).items()}  # each rank that noted where it is
     if mismatched:
         return StalledRankError("--check-collectives stopped the processes at the first collective they do not all "
                                 "call alike: every process must call the same collectives in the same order, with "
-                                "tensors of the same shapes (docs/failures.md)",
-                                {other: waits for other, (_, waits) in (stopped or {}).items()} or {rank: waits},
+                                "tensors of the same shapes (docs/failures.md)", where or {rank: waits},
                                 how_to_read(run_dir))
     if stopped is None:
         if not timed_out:
@@ -270,7 +270,6 @@ def collective_failure(err: BaseException, rank: int, run_dir: Path | None = Non
                            "that keeps it (rank 0, or torchrun's agent on the first machine) is stuck or gone",
                            {rank: waits}, how_to_read(run_dir))
     silent = [other for other in range(dist.get_world_size()) if other not in stopped]
-    where = {other: waits for other, (_, waits) in stopped.items()}
     if not timed_out and not any(how == TIMED_OUT for how, _ in stopped.values()):
         return lost_peer(rank, message, silent, where, how_to_read(run_dir))  # none left waited too long: one died
     if silent:
