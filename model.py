@@ -45,17 +45,21 @@ def model_source(name: str) -> str:
     name is refused in one line. Building, weights and the checks all ask here."""
     if name in MODELS:
         return "own"
-    if name.startswith(TIMM):
-        if not timm_module(name).is_model(name.removeprefix(TIMM)):
-            raise UserInputError(f"--model {name}: timm has no model {name.removeprefix(TIMM)!r} (timm.list_models() "
-                                 "lists them, such as timm/resnet50 or timm/convnext_tiny)")
+    if name.startswith(TIMM) and timm_module(name).is_model(name.removeprefix(TIMM)):
         return "timm"
     if name in torchvision.models.list_models(module=torchvision.models):
         return "torchvision"
+    raise unknown_model(name)
+
+
+def unknown_model(name: str) -> UserInputError:
+    if name.startswith(TIMM):
+        return UserInputError(f"--model {name}: timm has no model {name.removeprefix(TIMM)!r} (timm.list_models() "
+                              "lists them, such as timm/resnet50 or timm/convnext_tiny)")
     own = f"; or one of your own: {', '.join(MODELS)}" if MODELS else ""
-    raise UserInputError(f"--model {name!r}: neither a model registered in model.py nor a torchvision "
-                         f"classification model (for example resnet18, resnet34, mobilenet_v3_small) nor one of "
-                         f"timm's as timm/NAME{own}")
+    return UserInputError(f"--model {name!r}: neither a model registered in model.py nor a torchvision "
+                          f"classification model (for example resnet18, resnet34, mobilenet_v3_small) nor one of "
+                          f"timm's as timm/NAME{own}")
 
 
 def timm_module(name: str) -> ModuleType:
@@ -159,15 +163,10 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
         with torch.device("meta"):
             model = create_model(name, num_classes=2)
         output = model.train()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
-    except UserInputError:
-        raise  # the name itself (model_source): a ValueError, but not the shapes' one
     except NotImplementedError:
         return  # this model cannot be built without memory: its first real step will tell
     except (RuntimeError, ValueError, AssertionError) as err:
-        flag = "--batch-size" if "more than 1 value per channel" in str(err) else "--image-size"
-        raise UserInputError(f"{flag} {batch_size if flag == '--batch-size' else image_size}: {name} cannot train "
-                             f"on batches of {batch_size} images of {image_size} x {image_size} px "
-                             f"({str(err).splitlines()[0]})") from None
+        raise err if isinstance(err, UserInputError) else untrainable_size(err, name, image_size, batch_size) from None
     try:
         logits = class_logits(output)
     except (LookupError, TypeError):
@@ -176,6 +175,14 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
         raise UserInputError(f"--model {name}: its forward returns a {type(output).__name__} while training, in which "
                              "train_eval_utils.class_logits finds no class logits (a tensor of batch x classes); "
                              "return them first, or change class_logits to find them")
+
+
+def untrainable_size(err: Exception, name: str, image_size: int, batch_size: int) -> UserInputError:
+    """The flag whose size the model's forward pass failed on (`err`), in one line."""
+    flag = "--batch-size" if "more than 1 value per channel" in str(err) else "--image-size"
+    return UserInputError(f"{flag} {batch_size if flag == '--batch-size' else image_size}: {name} cannot train on "
+                          f"batches of {batch_size} images of {image_size} x {image_size} px "
+                          f"({str(err).splitlines()[0]})")
 
 
 def load_weights(model: nn.Module, source: str, model_name: str, strict: bool = False) -> None:

@@ -73,7 +73,8 @@ def checked_call(err: BaseException, rank: int) -> str | None:
     fingerprint = next((found for found in FINGERPRINT.finditer(str(err)) if int(found.group(1)) == rank), None)
     if fingerprint is None:
         return None
-    kind = re.sub(r"^ALL(?!_)", "ALL_", fingerprint.group(3)).lower()  # ALLREDUCE: all_reduce, as PyTorch names it
+    # ALLREDUCE, ALLTOALL: all_reduce, all_to_all, as PyTorch's functions are named
+    kind = re.sub(r"^ALL(?!_)", "ALL_", fingerprint.group(3).replace("ALLTOALL", "ALL_TO_ALL")).lower()
     frames = [{"filename": frame.filename, "name": frame.name, "line": frame.lineno}
               for frame in reversed(traceback.extract_tb(err.__traceback__))]  # the innermost first, as recorded
     return f"is at {collective_called(kind, fingerprint.group(2), frames)}"

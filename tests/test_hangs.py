@@ -226,16 +226,24 @@ def test_a_recorder_switched_off_by_its_user_is_said_so(monkeypatch: pytest.Monk
 CHECKED = ("Detected mismatch between collectives on ranks. Rank 0 is running collective: CollectiveFingerPrint("
            "SequenceNumber=12OpType=BARRIER), but Rank 1 is running collective: CollectiveFingerPrint("
            "SequenceNumber=12, OpType=ALLREDUCE, TensorShape=[2], TensorDtypes=Float)")
+# Another rank's, as its own message names it first: all-to-all, which PyTorch's OpType spells as one word.
+CHECKED_ALL_TO_ALL = ("Detected mismatch between collectives on ranks. Rank 2 is running collective: "
+                      "CollectiveFingerPrint(SequenceNumber=12, OpType=ALLTOALL_BASE, TensorShape=[4], "
+                      "TensorDtypes=Float), but Rank 0 is running collective: CollectiveFingerPrint("
+                      "SequenceNumber=12OpType=BARRIER)")
 
 
-def save_on_rank_0() -> None:
-    raise RuntimeError(CHECKED)  # where PyTorch's check stops a rank (rank 1's message names rank 1 first)
+def save_on_rank_0(message: str) -> None:
+    raise RuntimeError(message)  # where PyTorch's check stops a rank (rank 1's message names rank 1 first)
 
 
-@pytest.mark.parametrize(("rank", "said"), [(0, "is at barrier #12"), (1, "is at all_reduce #12"), (2, None)])
-def test_a_checked_mismatch_is_said_from_its_message_and_the_ranks_own_traceback(rank: int, said: str | None) -> None:
+@pytest.mark.parametrize(("message", "rank", "said"), [
+    (CHECKED, 0, "is at barrier #12"), (CHECKED, 1, "is at all_reduce #12"), (CHECKED, 2, None),
+    (CHECKED_ALL_TO_ALL, 2, "is at all_to_all_base #12")])
+def test_a_checked_mismatch_is_said_from_its_message_and_the_ranks_own_traceback(message: str, rank: int,
+                                                                                  said: str | None) -> None:
     with pytest.raises(RuntimeError) as caught:
-        save_on_rank_0()
+        save_on_rank_0(message)
     line = save_on_rank_0.__code__.co_firstlineno + 1
     called = f"{said}, called from save_on_rank_0 (tests/test_hangs.py:{line})" if said else None
     assert flight_recorder.checked_call(caught.value, rank) == called
