@@ -11,6 +11,8 @@ pipeline), timed over --steps batches after --warmup-steps, each configuration i
   ddp     --nproc DDP processes, the cores split between them
   nosync  the same N processes with DDP's no_sync on every step: nothing is all-reduced, so this is
           what N processes would reach if communication were free
+  checked (with --check-collectives) the ddp processes under the training scripts' --check-collectives:
+          PyTorch checks every collective against the other ranks' first; check_overhead is its cost
 
 each on (a) synthetic tensors already in memory and (b) an image folder through the real loader. Then
 the time from launch to the first finished step, for torchrun and for spawn. The last line of stdout is
@@ -55,7 +57,7 @@ from multi_train_utils.distributed_utils import (
     wrap_ddp,
 )
 from multi_train_utils.errors import UserInputError, one_line, report
-from multi_train_utils.launch import cpu_share
+from multi_train_utils.launch import CHECK_COLLECTIVES_VARIABLE, cpu_share
 from multi_train_utils.optim import AMP_CHOICES, StepOptions, build_optimizer
 from multi_train_utils.spawn_utils import meeting_on_a_free_port
 from multi_train_utils.train_eval_utils import train_one_epoch
@@ -102,6 +104,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     add("--sources", default=",".join(SOURCES), choices=("synthetic,folder", "synthetic", "folder"), metavar="SOURCES",
         help="what to train on: tensors already in memory, the image folder, or both")
     add("--skip-launch", action="store_true", help="do not measure the time to the first step")
+    add("--check-collectives", action="store_true", help="also time the ddp processes under the training scripts' "
+        "--check-collectives (mode checked), for check_overhead: what the check of every collective costs")
     add("--loader-only", action="store_true", help="time the data loader alone, no model: images/s per worker "
         "(--workers, default 1; 0: this process alone) of the default pipeline and of the tutorial's, on "
         "--data-path's training images with the training augmentation at --image-size")
@@ -178,6 +182,8 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
         if ctx.device.type == "cpu":
             torch.set_num_threads(cpu_share(1))
     else:
+        if args.mode == "checked":  # as the flag sets it for the training scripts; read where the processes meet
+            os.environ[CHECK_COLLECTIVES_VARIABLE] = "DETAIL"
         ctx = init_distributed_mode(args.device, spawn_rank=rank, spawn_world_size=world_size)
     try:
         torch.manual_seed(rank)
@@ -195,7 +201,8 @@ def measure(rank: int, world_size: int, args: argparse.Namespace) -> None:
                             options=options)
             synchronize(ctx)
             seconds.append(time.perf_counter() - started)
-        figures = {"seconds": seconds, "images": args.steps * args.batch_size, "peak_memory_mb": peak_memory_mb(ctx)}
+        figures = {"seconds": seconds, "images": args.steps * args.batch_size, "peak_memory_mb": peak_memory_mb(ctx),
+                   "checked": dist.is_initialized() and dist.get_debug_level() == dist.DebugLevel.DETAIL}
         if args.mode == "ddp":
             figures["allreduce_s"] = time_all_reduce(model, args.comm_hook)
         (Path(args.result_dir) / f"{args.mode}_{args.source}_rank{rank}.json").write_text(json.dumps(figures))
@@ -272,6 +279,8 @@ def run_configuration(args: argparse.Namespace, mode: str, source: str, result_d
     with meeting_on_a_free_port():
         mp.start_processes(measure, args=(nprocs, config), nprocs=nprocs, start_method="fork" if fork else "spawn")
     ranks = [json.loads((result_dir / f"{mode}_{source}_rank{r}.json").read_text()) for r in range(nprocs)]
+    if any(rank["checked"] != (mode == "checked") for rank in ranks):  # or check_overhead would compare like with like
+        raise RuntimeError(f"mode {mode}: PyTorch's check of the collectives is {'off' if mode == 'checked' else 'on'}")
     images = sum(r["images"] for r in ranks)
     figures = {"images_per_s": [images / max(times) for times in zip(*(r["seconds"] for r in ranks), strict=True)],
                "peak_memory_mb": max(r["peak_memory_mb"] for r in ranks)}
@@ -367,7 +376,7 @@ def benchmark(args: argparse.Namespace) -> dict:
     args.warmup_steps = args.warmup_steps if args.warmup_steps is not None else (20 if on_gpu else 2)
     results: dict[str, dict[str, dict]] = {source: {} for source in SOURCES}
     with tempfile.TemporaryDirectory() as scratch:
-        modes = MODES if args.nproc > 1 else ("single",)
+        modes = (*MODES, *["checked"] * args.check_collectives) if args.nproc > 1 else ("single",)
         for _ in range(args.rounds):
             for source in args.sources.split(","):
                 add_round(results[source], {mode: run_configuration(args, mode, source, Path(scratch))
@@ -419,6 +428,8 @@ def summarize(args: argparse.Namespace, results: dict[str, dict[str, dict]], lau
         "folder_single_images_per_s": speeds(folder, "single"), "folder_ddp_images_per_s": speeds(folder, "ddp"),
         "folder_nosync_images_per_s": speeds(folder, "nosync"),
         "folder_scaling_efficiency": paired_ratios(speeds(folder, "ddp"), speeds(folder, "single")),
+        "checked_images_per_s": speeds(synthetic, "checked"),
+        "check_overhead": [1 - r for r in paired_ratios(speeds(synthetic, "checked"), speeds(synthetic, "ddp")) or []],
     }
     medians = {key: statistics.median(values) if values else None for key, values in lists.items()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -67,6 +68,30 @@ def test_the_summary_holds_every_figure_and_the_ratios_between_them() -> None:
     assert summary["step_time_s"]["ddp"] == pytest.approx(2 * 2 / 38.0), "2 processes x batch 2 per step"
     assert summary["workload"]["model"] == "resnet18" and "probe" not in summary["workload"]
     json.dumps(summary)  # printable as the last line
+
+
+def test_the_check_of_the_collectives_is_timed_against_the_same_processes_without_it() -> None:
+    """--check-collectives: the ddp processes again, under PyTorch's check, paired repeat by repeat with plain ddp."""
+    results = made_up_results()
+    assert benchmark.summarize(bench_args(), results, {}, 81.2, 480)["check_overhead"] is None, "not measured"
+    results["synthetic"]["checked"] = {"images_per_s": [29.0, 31.0], "peak_memory_mb": 950.0}
+    summary = benchmark.summarize(bench_args(check_collectives=True), results, {}, 81.2, 480)
+    assert summary["check_overhead"] == pytest.approx(1 - (29 / 37 + 31 / 39) / 2)
+    assert summary["checked_images_per_s"] == 30.0 and summary["step_time_s"]["checked"] == pytest.approx(4 / 30.0)
+
+
+@pytest.mark.benchmarks
+def test_the_checked_processes_run_under_the_check_and_the_others_do_not(tmp_path: Path) -> None:
+    """The whole benchmark with --check-collectives, tiny: every rank of each configuration says whether PyTorch
+    checked its collectives (DETAIL), and the benchmark stops where that is not what the configuration is."""
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "benchmark.py"), "--check-collectives",
+                             "--sources", "synthetic", "--skip-launch", "--model", "resnet18", "--image-size", "16",
+                             "--batch-size", "2", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--rounds",
+                             "1"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout.splitlines()[-1])
+    assert summary["checked_images_per_s"] > 0 and summary["check_overhead"] < 1
+    assert "checked synthetic:" in result.stderr
 
 
 def test_with_one_process_only_its_own_figures_are_given() -> None:
