@@ -163,10 +163,12 @@ def check_model_input(name: str, image_size: int, batch_size: int) -> None:
         with torch.device("meta"):
             model = create_model(name, num_classes=2)
         output = model.train()(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+    except UserInputError:
+        raise  # the name itself (model_source): a ValueError, but not the shapes' one
     except NotImplementedError:
         return  # this model cannot be built without memory: its first real step will tell
     except (RuntimeError, ValueError, AssertionError) as err:
-        raise err if isinstance(err, UserInputError) else untrainable_size(err, name, image_size, batch_size) from None
+        raise untrainable_size(err, name, image_size, batch_size) from None
     try:
         logits = class_logits(output)
     except (LookupError, TypeError):

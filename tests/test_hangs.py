@@ -99,10 +99,10 @@ def test_checked_collectives_stop_every_rank_at_the_first_that_differs(data: Pat
     result, called_at = train_with_mistake(tmp_path, mistake, launcher, data, tmp_path / "run",
                                            "--check-collectives", "--dist-timeout", "900")
     assert "--check-collectives stopped the processes" in the_error(result), result.stderr[-3000:]
-    calls = dict(re.findall(r"^  rank (\d) is at (.*)$", result.stderr, flags=re.MULTILINE))
-    assert set(calls) == {"0", "1"}, result.stderr[-3000:]
-    assert re.fullmatch(called_at, calls["0"]), calls
-    assert re.match(r"\w+ #\d+", calls["1"]) and "called from" in calls["1"] and calls["1"] != calls["0"], calls
+    calls = where_ranks_wait(result)
+    assert set(calls) == {0, 1}, result.stderr[-3000:]
+    assert re.fullmatch(rf"is at {called_at}", calls[0]), calls
+    assert re.match(r"is at \w+ #\d+", calls[1]) and "called from" in calls[1] and calls[1] != calls[0], calls
     assert "SIGABRT" not in result.stderr
 
 
@@ -153,7 +153,8 @@ def train_in(copy: Path, launcher: str, data: Path, out: Path, *flags: str) -> s
 
 
 def where_ranks_wait(result: subprocess.CompletedProcess) -> dict[int, str]:
-    return {int(rank): waits for rank, waits in re.findall(r"^  rank (\d) (waits in .*)$", result.stderr,
+    """Each rank's line under the error: where it waits (a time-out), or the call it is at (--check-collectives)."""
+    return {int(rank): waits for rank, waits in re.findall(r"^  rank (\d) ((?:waits in|is at) .*)$", result.stderr,
                                                            flags=re.MULTILINE)}
 
 
