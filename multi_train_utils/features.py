@@ -83,22 +83,24 @@ class StopRequest:
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s, self.signal_name, self.at_steps = grace_s, None, True
+        self.kill_follows = False  # the scheduler's (or torchrun's) kill follows within its grace period
         self.lock = threading.Lock()  # orders the end of training and the deadline
-        self.kill_follows = threading.Event()  # the scheduler's (or torchrun's) kill follows within its grace period
         self.training_over = threading.Event()
 
     def on_signal(self, signum: int, frame: object) -> None:
-        # A handler only sets flags: it interrupts the main thread anywhere, even inside a lock it would need.
+        # A handler sets plain attributes and takes no lock, not even an Event's: it interrupts the main thread
+        # anywhere, itself included. SLURM signals a torchrun job's processes directly and torchrun passes the
+        # signal on, milliseconds apart: the second call would wait for good on a lock the first one holds.
         self.signal_name = self.signal_name or signal.Signals(signum).name
         if signum in KILL_FOLLOWS:
-            self.kill_follows.set()
+            self.kill_follows = True
         if not self.at_steps:  # past the last step or past the deadline: no step will come to stop at
             stop_now(signum)
 
     def watch_the_deadline(self) -> None:
         """In a thread of its own: wait for a SIGTERM or SIGHUP, then keep its deadline."""
-        while not self.kill_follows.wait(0.5):
-            if self.training_over.is_set():
+        while not self.kill_follows:
+            if self.training_over.wait(0.5):
                 return
         stop_at_the_deadline(self)
 

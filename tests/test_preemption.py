@@ -3,13 +3,16 @@ another number of processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -137,6 +140,52 @@ def test_a_stop_signal_waits_for_the_next_step_during_training_and_stops_at_once
                 time.sleep(10)  # a rank that never reaches its next step (a long validation, a hung loader)
             assert stopped.value.code == 143 and time.monotonic() - started < 2, "stopped at the deadline"
         finally:
+            stop.on_fit_end()
+
+
+def finishes_when_signalled_again_at_every_line(handler: Callable[[int, object], None], signum: int) -> bool:
+    """Whether `handler` ends (returns or raises) when the same signal runs it again at each line it executes,
+    as a second signal does in the main thread: SLURM signals every process of a torchrun job, and torchrun
+    passes the signal on, milliseconds apart. Run in a thread of its own, which a handler that waits for a
+    lock its own first call holds never leaves."""
+
+    def handle_twice() -> None:
+        def again_at_each_line(frame: object, event: str, arg: object) -> object:
+            if event == "line":  # Python traces nothing inside this function: the second call runs whole
+                with contextlib.suppress(BaseException):
+                    handler(signum, None)
+            return again_at_each_line
+
+        sys.settrace(again_at_each_line)
+        try:
+            with contextlib.suppress(BaseException):
+                handler(signum, None)
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=handle_twice, daemon=True)
+    thread.start()
+    thread.join(10)
+    return not thread.is_alive()
+
+
+@pytest.mark.parametrize("moment", ["training", "past the deadline"])
+def test_a_stop_signal_that_comes_again_inside_its_own_handler_is_handled_both_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:
+    model = nn.Linear(2, 2)
+    monkeypatch.setattr(errors._Ending, "under_way", False)  # stop_now's: this test's stops end nothing
+    with checkpointer(model, torch.optim.SGD(model.parameters(), lr=0.1), tmp_path / "run") as saver:
+        stop = features.StopAtStep(saver, grace_s=60, timeout_s=60, epochs=2)
+        stop.on_fit_start()
+        try:
+            request = features.StopRequest.current
+            request.at_steps = moment == "training"
+            handlers = {signal.getsignal(signum) for signum in errors.STOP_SIGNALS}
+            assert handlers == {request.on_signal}
+            assert finishes_when_signalled_again_at_every_line(request.on_signal, signal.SIGTERM)
+            assert request.signal_name == "SIGTERM" and request.kill_follows
+        finally:
+            request.at_steps = True
             stop.on_fit_end()
 
 

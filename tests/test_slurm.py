@@ -131,7 +131,9 @@ class Job:
     def output(self) -> str:
         """The job's log, and what a failure that leaves no trace there needs: how far each process loaded, and
         what slurmd logged of the job (its signals and kills)."""
-        log = self.log.read_text()[-4000:] if self.log.exists() else "(no log)"
+        log = self.log.read_text() if self.log.exists() else "(no log)"
+        if len(log) > 9000:  # a requeued job's log: how its first run stopped, and how the last one ended
+            log = f"{log[:4000]}\n[...]\n{log[-5000:]}"
         loaded = {path.name: len(path.read_text().splitlines()) for path in sorted(self.record.iterdir())}
         of_the_job = re.compile(rf"\b(?:job|JobId=|StepId=)\s*{self.id}\b", re.IGNORECASE)
         slurmd = [line for path in sorted((self.cluster.root / "log").glob("slurmd.*.log"))
