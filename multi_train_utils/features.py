@@ -14,6 +14,7 @@ ends the run at once, keeping the last checkpoint written.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -83,26 +84,31 @@ class StopRequest:
 
     def __init__(self, grace_s: float) -> None:
         self.grace_s, self.signal_name, self.at_steps = grace_s, None, True
-        self.kill_follows = False  # the scheduler's (or torchrun's) kill follows within its grace period
+        # The signals a kill follows (the scheduler's, or torchrun's, within its grace period), for the deadline's
+        # thread: a SimpleQueue, as its put() may interrupt itself (an Event's set() waits for good on its lock).
+        self.kill_follows: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.lock = threading.Lock()  # orders the end of training and the deadline
         self.training_over = threading.Event()
 
     def on_signal(self, signum: int, frame: object) -> None:
-        # A handler sets plain attributes and takes no lock, not even an Event's: it interrupts the main thread
-        # anywhere, itself included. SLURM signals a torchrun job's processes directly and torchrun passes the
-        # signal on, milliseconds apart: the second call would wait for good on a lock the first one holds.
+        # A handler takes no lock: it interrupts the main thread anywhere, itself included. SLURM signals a torchrun
+        # job's processes directly and torchrun passes the signal on, milliseconds apart, and the second call
+        # would wait for good on a lock the first one holds.
         self.signal_name = self.signal_name or signal.Signals(signum).name
         if signum in KILL_FOLLOWS:
-            self.kill_follows = True
+            self.kill_follows.put(signum)
         if not self.at_steps:  # past the last step or past the deadline: no step will come to stop at
             stop_now(signum)
 
     def watch_the_deadline(self) -> None:
         """In a thread of its own: wait for a SIGTERM or SIGHUP, then keep its deadline."""
-        while not self.kill_follows:
-            if self.training_over.wait(0.5):
-                return
-        stop_at_the_deadline(self)
+        while not self.training_over.is_set():
+            try:
+                self.kill_follows.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            stop_at_the_deadline(self)
+            return
 
 
 class StopAtStep(Hook):

@@ -183,7 +183,7 @@ def test_a_stop_signal_that_comes_again_inside_its_own_handler_is_handled_both_t
             handlers = {signal.getsignal(signum) for signum in errors.STOP_SIGNALS}
             assert handlers == {request.on_signal}
             assert finishes_when_signalled_again_at_every_line(request.on_signal, signal.SIGTERM)
-            assert request.signal_name == "SIGTERM" and request.kill_follows
+            assert request.signal_name == "SIGTERM"
         finally:
             request.at_steps = True
             stop.on_fit_end()
